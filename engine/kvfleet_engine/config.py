@@ -1,0 +1,219 @@
+"""Engine configuration: what the user asked for, checked against what the model directory holds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: str | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # CPU matmuls are fastest and exact in float32; on GPU follow the checkpoint (fp32 -> bf16).
+        if device == "cpu":
+            return torch.float32
+        d = _DTYPES.get(model_dtype or "bfloat16", torch.bfloat16)
+        return torch.bfloat16 if d == torch.float32 else d
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The fields of a Llama-family ``config.json`` the engine uses (read without transformers)."""
+
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: frozenset[int]
+    raw: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{path} is not a model directory: no config.json")
+        raw = json.loads(cfg_file.read_text())
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_file}: 'architectures' is missing")
+        heads = raw["num_attention_heads"]
+        # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_scaling = raw.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        model_type = raw.get("model_type", "")
+        attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
+        sliding = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            path=path,
+            architecture=archs[0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=sliding,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            eos_token_ids=_eos_ids(path, raw),
+            raw=raw,
+        )
+
+
+def _eos_ids(path: Path, raw: dict[str, Any]) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (raw, _read_json(path / "generation_config.json")):
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig
+    dtype: torch.dtype
+    device: str
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_kv_blocks: int | None
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    scheduling_policy: str
+    seed: int
+    attention_backend: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @classmethod
+    def create(
+        cls,
+        model: str | Path,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> EngineConfig:
+        mc = ModelConfig.from_dir(model)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available")
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside the window
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds what the model supports ({limit}"
+                f"{', its sliding window' if mc.sliding_window is not None else ''})"
+            )
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if device == "cpu" else 8192
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        if num_kv_blocks is not None and num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+        if attention_backend == "auto":
+            attention_backend = "triton" if device.startswith("cuda") else "torch"
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            raise ValueError("tensor/pipeline parallelism needs the multiprocess executor (not available yet)")
+        return cls(
+            model=mc,
+            dtype=resolve_dtype(dtype, mc.torch_dtype, device),
+            device=device,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            seed=seed,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem

@@ -1,0 +1,57 @@
+"""What the scheduler hands the workers each step: a diff, not the whole batch.
+
+Workers keep per-request state between steps (token ids, block table, sampling state). Each step
+they learn only which requests are new (full data), which running ones got more blocks, which
+finished or were preempted, and how many tokens each scheduled request runs now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet_engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (recompute replays them as part of the prefill).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the workers must forget before this step (finished, aborted or preempted since last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled request (in ``req_ids`` order): the sampled token, or none for a partial prefill."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Only when some request asked for logprobs: [num_reqs, 1 + max_n] arrays (column 0 = sampled).
+    logprob_token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    sampled_ranks: list[int] | None = None

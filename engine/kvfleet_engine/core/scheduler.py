@@ -1,0 +1,319 @@
+"""Continuous-batching scheduler: one token-budget rule for prefill, chunked prefill and decode.
+
+Each step hands out at most ``max_num_batched_tokens`` tokens to at most ``max_num_seqs`` requests:
+running requests first (in order), then waiting ones (FCFS, or by priority). A request is given
+``min(num_tokens - num_computed_tokens, remaining budget)`` tokens, so a long prompt is simply
+prefilled over several steps (chunked prefill) and a decoding request gets its one token; a
+prefix-cache hit just starts ``num_computed_tokens`` further along.
+
+When the KV cache runs out of blocks the lowest-priority running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue to be recomputed later (recompute is
+cheap with prefix caching, since its freed blocks usually remain in the cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvfleet_engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (new tokens since the last output)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # [len(new_token_ids)] rows of (token ids, logprobs) with the sampled token first, and its rank.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) when the policy is ``priority``."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, request)
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request goes back first (it was admitted before anything now waiting)."""
+        if self.policy == "fcfs":
+            self._fifo.appendleft(request)
+        else:
+            heapq.heappush(self._heap, request)
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        if self.policy == "fcfs":
+            self._fifo = deque(r for r in self._fifo if id(r) not in gone)
+        else:
+            self._heap = [r for r in self._heap if id(r) not in gone]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fifo if self.policy == "fcfs" else self._heap)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    step_counts: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        # Requests the workers still hold state for and must drop at the next step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission and abort -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or stop, e.g. on a stop string found by the detokenizer) requests; frees their blocks."""
+        assert RequestStatus.is_finished(status)
+        finished = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            finished.append(req)
+        waiting = [r for r in finished if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        if waiting:
+            self.waiting.remove(waiting)
+        if len(finished) > len(waiting):
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+        for req in finished:
+            req.status = status
+            self._free(req)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_ids: set[str] = set()
+
+        # 1. Running requests, in order; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Never feed a position at or past max_model_len.
+            n = min(n, self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim_index = self._pick_victim_index()
+                victim = self.running.pop(victim_index)
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is req:
+                    break
+                if victim_index < i:
+                    # Priority policy may pick one already scheduled this step: undo its schedule.
+                    budget += num_scheduled.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
+            if new_blocks is None:
+                break  # req itself was preempted: nothing after it can fit either
+            cached_reqs.append(
+                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+            )
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless this step already had to preempt (no room for new work).
+        while not preempted_ids and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(req, n, hit_blocks, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self.kv.record_hit(req.num_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            num_scheduled[req.request_id] = n
+            budget -= n
+
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _pick_victim_index(self) -> int:
+        """FCFS: the last admitted. Priority: the lowest priority, latest arrival."""
+        if self.policy == "priority":
+            return max(range(len(self.running)), key=lambda j: (self.running[j].priority, self.running[j].arrival_time))
+        return len(self.running) - 1
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(req)
+
+    def update_from_output(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        for idx, (rid, tokens) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
+            req = self.requests.get(rid)
+            if req is None or not tokens:
+                continue  # aborted meanwhile, or a partial prefill chunk (nothing sampled)
+            new_logprobs = None
+            if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
+                k = 1 + req.sampling_params.logprobs
+                new_logprobs = [
+                    (
+                        runner_out.logprob_token_ids[idx][:k],
+                        runner_out.logprobs[idx][:k],
+                        runner_out.sampled_ranks[idx],
+                    )
+                ]
+            for tok in tokens:
+                req.append_output_token(tok)
+                if self._check_stop(req, tok):
+                    break
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=tokens,
+                new_logprobs=new_logprobs,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+            if req.is_finished():
+                out.finish_reason = RequestStatus.finish_reason(req.status)
+                out.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._free(req)
+            outputs.append(out)
+        self.kv.block_pool.flush_events()
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        if token in req.stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            # EOS ends a request without a stop_reason (as in vLLM); a user stop id is reported.
+            if token in params.all_stop_token_ids:
+                req.stop_reason = token
+            return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_hit_rate=self.kv.stats.hit_rate,
+        )

@@ -1,0 +1,76 @@
+"""Prompt -> validated engine Request(s): tokenize, check limits, fill in model-dependent defaults.
+
+Every rejection is a ``ValueError`` with a message fit for an API client (the server maps it to 400).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.request import Request
+from kvfleet_engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = config.model.eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        n = len(prompt_token_ids)
+        max_len = self.config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if n >= max_len:
+            raise ValueError(
+                f"the prompt is {n} tokens long, but the maximum context length is {max_len} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > 20:
+            raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
+        room = max_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            block_size=self.config.block_size,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,150 @@
+"""The offline API, in vLLM's shape: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core.engine_core import EngineCore
+from kvfleet_engine.input_processor import InputProcessor, PromptType
+from kvfleet_engine.output_processor import OutputProcessor
+from kvfleet_engine.outputs import RequestOutput
+from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.tokenizer import load_tokenizer
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        device: str = "auto",
+        seed: int = 0,
+        scheduling_policy: str = "fcfs",
+        attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        use_tqdm: bool = True,
+    ) -> None:
+        self.config = EngineConfig.create(
+            model=model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            seed=seed,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.engine = EngineCore(self.config, use_tqdm=use_tqdm)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+
+        added: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                added.append(self._add_request(prompt, sp, priority[i] if priority else 0))
+        except Exception:
+            self._abort(added)  # a bad prompt in the batch leaves nothing behind
+            raise
+        return self._run(added, use_tqdm)
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        request_id = str(next(self._ids))
+        text, token_ids = self.input_processor.tokenize(prompt)
+        seqs: dict[str, SamplingParams] = {}
+        for i in range(params.n):
+            p = params.clone()
+            p.n = 1
+            if params.seed is not None:
+                p.seed = params.seed + i  # distinct but reproducible samples per sequence
+            seqs[request_id if params.n == 1 else f"{request_id}-{i}"] = p
+        requests = [
+            self.input_processor.process(seq_id, token_ids, p, priority=priority) for seq_id, p in seqs.items()
+        ]
+        added_seqs: list[str] = []
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+                added_seqs.append(r.request_id)
+        except Exception:
+            self.engine.abort_requests(added_seqs)
+            raise
+        self.output_processor.add_request(request_id, text, token_ids, seqs)
+        return request_id
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort_requests(self.output_processor.abort_request(rid))
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                finished, to_stop = self.output_processor.process_outputs(self.engine.step())
+                if to_stop:
+                    self.engine.stop_requests(to_stop)
+                for out in finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            self._abort([r for r in request_ids if r not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.engine.scheduler.kv.get_num_free_blocks()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

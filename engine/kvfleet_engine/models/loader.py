@@ -1,0 +1,85 @@
+"""Load safetensors checkpoints (single file or sharded with an index) into a model.
+
+Each parameter's own ``weight_loader`` decides what slice it keeps (tensor parallelism) and the
+copy converts dtype. Every parameter must be filled: a missing tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+# Tensors some checkpoints carry that the engine recomputes or does not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {model_dir}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"checkpoint shards listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, use_tqdm: bool = True) -> None:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    # Fused parameters are complete only once every part has been loaded.
+    expected: dict[str, int] = {}
+    for name in params:
+        parts = [k for k, (fused, _) in packed.items() if f".{fused}." in name]
+        expected[name] = len(parts) or 1
+    loaded: dict[str, int] = dict.fromkeys(params, 0)
+    device = next(iter(params.values())).device
+
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not use_tqdm, leave=False) as bar:
+        for handle in handles:
+            for ckpt_name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                bar.update(1)
+                if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                name, shard_id = ckpt_name, None
+                for part, (fused, sid) in packed.items():
+                    if f".{part}." in ckpt_name:
+                        name, shard_id = ckpt_name.replace(f".{part}.", f".{fused}."), sid
+                        break
+                param = params.get(name)
+                if param is None:
+                    logger.debug("ignoring checkpoint tensor %s (no such parameter)", ckpt_name)
+                    continue
+                tensor = handle.get_tensor(ckpt_name).to(device)
+                loader = getattr(param, "weight_loader", None)
+                with torch.no_grad():
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    elif shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                loaded[name] += 1
+    if tied:
+        loaded["lm_head.weight"] = expected.get("lm_head.weight", 1)
+    missing = sorted(n for n, c in loaded.items() if c < expected[n])
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors for: {shown}")

@@ -1,0 +1,134 @@
+"""EngineCoreOutputs -> RequestOutputs: detokenize incrementally, match stop strings, build logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet_engine.core.scheduler import EngineCoreOutput
+from kvfleet_engine.detokenizer import IncrementalDetokenizer
+from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet_engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One sequence (an n>1 request has several) as the frontend tracks it."""
+
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.output_text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: dict[str, SequenceState]  # engine request id -> sequence
+    num_cached_tokens: int = 0
+    num_unfinished: int = 0
+
+    def output(self) -> RequestOutput:
+        outs = sorted((s.completion() for s in self.seqs.values()), key=lambda c: c.index)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.num_unfinished == 0,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.seq_to_request: dict[str, str] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: dict[str, SamplingParams]
+    ) -> None:
+        states = {
+            seq_id: SequenceState(
+                index=i,
+                params=p,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p),
+                logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None,
+            )
+            for i, (seq_id, p) in enumerate(seqs.items())
+        }
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, states, 0, len(states))
+        for seq_id in seqs:
+            self.seq_to_request[seq_id] = request_id
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (finished RequestOutputs, sequence ids the core must stop because a stop string matched)."""
+        finished: list[RequestOutput] = []
+        to_stop: list[str] = []
+        for out in outputs:
+            rid = self.seq_to_request.get(out.request_id)
+            if rid is None:
+                continue
+            req = self.requests[rid]
+            seq = req.seqs[out.request_id]
+            if seq.finish_reason is not None:
+                continue
+            if seq.index == 0:
+                req.num_cached_tokens = out.num_cached_tokens
+            seq.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                for ids, lps, rank in out.new_logprobs:
+                    seq.logprobs.append(self._logprob_dict(ids, lps, rank))
+                    seq.cumulative_logprob += lps[0]
+            stop_str = seq.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                if not out.finished:
+                    to_stop.append(out.request_id)
+            elif out.finished:
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+                seq.detok.flush()
+            if seq.finish_reason is not None:
+                self.seq_to_request.pop(out.request_id, None)
+                req.num_unfinished -= 1
+                if req.num_unfinished == 0:
+                    finished.append(req.output())
+                    del self.requests[rid]
+        return finished, to_stop
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its sequence ids (for the core to abort)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        for seq_id in req.seqs:
+            self.seq_to_request.pop(seq_id, None)
+        return list(req.seqs)
+
+    def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        d = self.decode_token
+        entry = {ids[0]: Logprob(lps[0], rank, d(ids[0]))}
+        for j, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            entry.setdefault(tid, Logprob(lp, j, d(tid)))
+        return entry
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

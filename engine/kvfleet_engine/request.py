@@ -1,0 +1,118 @@
+"""The engine core's view of one request (one sequence: ``n > 1`` fans out before it gets here)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvfleet_common.hashing import BlockHash, hash_blocks, root_hash
+from kvfleet_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Token state, scheduling state and prefix-cache hashes of one sequence.
+
+    ``num_computed_tokens`` is the one number the scheduler reasons with: tokens
+    ``[0, num_computed_tokens)`` have KV in the cache; everything after still has to run through the
+    model. A prefix-cache hit, a prefill chunk and a decode step all just advance it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        block_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+
+        self.block_size = block_size
+        self._hash_root = root_hash(cache_salt or b"")
+        self.block_hashes: list[BlockHash] = hash_blocks(prompt_token_ids, block_size, parent=self._hash_root)
+
+        stop_ids = set(sampling_params.all_stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_token_ids = frozenset(stop_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        # Keep full-block hashes current: the next block is hashed the moment it fills up.
+        n = len(self.block_hashes)
+        if self.num_tokens >= (n + 1) * self.block_size:
+            parent = self.block_hashes[-1] if n else self._hash_root
+            start = n * self.block_size
+            self.block_hashes.extend(
+                hash_blocks(self.all_token_ids[start : start + self.block_size], self.block_size, parent=parent)
+            )
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def __lt__(self, other: Request) -> bool:
+        # Priority policy: lower value first, then earlier arrival (heap order).
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,190 @@
+"""Turns a SchedulerOutput into one forward pass and one sampled token per finished-prefill request."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvfleet_engine.forward_context import AttentionMetadata, set_attn_metadata
+from kvfleet_engine.layers.attention import Attention
+from kvfleet_engine.layers.sampler import Sampler
+from kvfleet_engine.models.loader import load_weights
+from kvfleet_engine.models.registry import get_model_class
+from kvfleet_engine.ops.attention_torch import make_plan
+from kvfleet_engine.worker.input_batch import CachedRequestState, InputBatch, new_request_state
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, use_tqdm: bool = True) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
+        self.model = self._load_model(use_tqdm)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:
+            layer.backend = config.attention_backend
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, self.max_blocks_per_req, config.model.vocab_size, self.device
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        # Every running request's state, including ones not scheduled (so not in the batch) this step.
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def _load_model(self, use_tqdm: bool) -> torch.nn.Module:
+        cfg = self.config
+        t0 = time.perf_counter()
+        cls = get_model_class(cfg.model)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(cfg.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(cfg.model)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        load_weights(model, cfg.model.path, use_tqdm=use_tqdm)
+        model.eval()
+        logger.info("loaded %s (%s) in %.2fs", cfg.model.path, cfg.model.architecture, time.perf_counter() - t0)
+        return model
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self.config.model
+        layer0 = self.attn_layers[0]
+        shape = (num_blocks, self.block_size, layer0.num_kv_heads, m.head_dim)
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            # Zeroed, not empty: masked-out slots must never hold NaN/Inf that 0 * x would spread.
+            k = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            layer.k_cache, layer.v_cache = k, v
+            self.kv_caches.append((k, v))
+        self.num_blocks = num_blocks
+
+    def free_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_caches = []
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in sched.finished_req_ids | sched.preempted_req_ids:
+            batch.remove_request(rid)
+            self.requests.pop(rid, None)
+        # Running requests that got no tokens this step leave the batch but keep their state.
+        for rid in list(batch.req_id_to_index):
+            if rid not in sched.num_scheduled_tokens:
+                batch.remove_request(rid)
+        for c in sched.scheduled_cached_reqs:
+            i = batch.req_id_to_index.get(c.req_id)
+            if i is None:
+                state = self.requests[c.req_id]
+                state.block_ids.extend(c.new_block_ids)
+                state.num_computed_tokens = c.num_computed_tokens
+                batch.add_request(state)
+            else:
+                batch.append_block_ids(i, c.new_block_ids)
+                batch.num_computed_tokens[i] = c.num_computed_tokens
+                batch.states[i].num_computed_tokens = c.num_computed_tokens
+        for r in sched.scheduled_new_reqs:
+            state = new_request_state(
+                r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params, r.block_ids,
+                r.num_computed_tokens, self.config.model.eos_token_ids, self.device,
+            )  # fmt: skip
+            self.requests[r.req_id] = state
+            batch.add_request(state)
+        batch.condense()
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        batch = self.batch
+        n = batch.num_reqs
+        if n == 0:
+            return ModelRunnerOutput([], [])
+        q_lens = np.array([sched.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)], dtype=np.int32)
+        computed = batch.num_computed_tokens[:n]
+
+        # Decodes first: the attention backends batch them separately from prefills.
+        is_decode = q_lens == 1
+        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+        num_decodes = int(is_decode.sum())
+        q_o = q_lens[order]
+        cu = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(q_o, out=cu[1:])
+        total = int(cu[-1])
+        rows = np.repeat(order, q_o)
+        positions = np.repeat(computed[order] - cu[:-1], q_o) + np.arange(total, dtype=np.int32)
+        token_ids = batch.token_ids[rows, positions]
+        slots = batch.block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + (
+            positions % self.block_size
+        )
+        seq_lens = (computed[order] + q_o).astype(np.int32)
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        block_tables = batch.block_table[order, :max_blocks]
+        # Logits of each row's last scheduled token, in batch-row order (what the sampler indexes).
+        last_in_order = cu[1:] - 1
+        logits_idx = np.empty(n, dtype=np.int64)
+        logits_idx[order] = last_in_order
+
+        dev = self.device
+        plan = None
+        if self.config.attention_backend == "torch":
+            plan = make_plan(cu, seq_lens, block_tables, num_decodes, self.block_size, dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
+            max_query_len=int(q_o.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+            plan=plan,
+        )
+        input_ids = torch.from_numpy(token_ids.astype(np.int64)).to(dev)
+        pos_t = torch.from_numpy(positions.astype(np.int64)).to(dev)
+        with set_attn_metadata(meta):
+            hidden = self.model(input_ids, pos_t)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])
+
+        # Rows still mid-prefill sample nothing; their seeded generators must not advance either.
+        completes = computed + q_lens >= batch.num_tokens[:n]
+        saved = {}
+        for i in np.flatnonzero(~completes):
+            g = batch.states[i].generator
+            if g is not None:
+                saved[i] = g.get_state()
+        meta_s = batch.sampling_metadata(self.generator)
+        out = self.sampler(logits, meta_s)
+        for i, state in saved.items():
+            batch.states[i].generator.set_state(state)
+
+        sampled = out.sampled_token_ids.tolist()
+        req_ids = [batch.req_ids[i] for i in range(n)]
+        sampled_lists: list[list[int]] = []
+        for i in range(n):
+            if completes[i]:
+                batch.append_token(i, sampled[i])
+                sampled_lists.append([sampled[i]])
+            else:
+                sampled_lists.append([])
+        result = ModelRunnerOutput(req_ids, sampled_lists)
+        if out.logprobs is not None:
+            result.logprob_token_ids = out.logprobs.token_ids.tolist()
+            result.logprobs = out.logprobs.logprobs.tolist()
+            result.sampled_ranks = out.logprobs.ranks.tolist()
+        return result
