@@ -169,6 +169,11 @@ class BlockPool:
             if self.on_event is not None:
                 self._events.append(("removed", h))
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix cache at once (their KV was never written, see KVCacheManager.free)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible when no request holds blocks (like vLLM)."""
         if self.free_queue.num_free != self.num_usable_blocks:

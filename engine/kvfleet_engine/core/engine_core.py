@@ -19,6 +19,14 @@ class EngineCore:
         self.config = config
         self.executor = Executor.for_config(config, use_tqdm=use_tqdm)
         num_blocks = self.executor.determine_num_kv_blocks()
+        # One request at max_model_len must fit alone, or it could be preempted forever.
+        capacity = (num_blocks - 1) * config.block_size
+        if capacity < config.max_model_len:
+            self.executor.shutdown()
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of {config.block_size}), "
+                f"less than max_model_len={config.max_model_len}: give more KV memory/blocks or a smaller max_model_len"
+            )
         self.executor.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         logger.info(
@@ -31,17 +39,7 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
-        self._check_fits(request)
         self.scheduler.add_request(request)
-
-    def _check_fits(self, request: Request) -> None:
-        # A prompt that cannot fit even in an empty cache would wait forever.
-        need = -(-(request.num_tokens + 1) // self.config.block_size)
-        if need > self.scheduler.kv.block_pool.num_usable_blocks:
-            raise ValueError(
-                f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the cache has only "
-                f"{self.scheduler.kv.block_pool.num_usable_blocks}"
-            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

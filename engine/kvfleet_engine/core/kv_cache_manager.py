@@ -114,7 +114,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first, see BlockPool)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        # Blocks are registered when scheduled, before the step runs. A request preempted in the very
+        # step that scheduled it (priority policy) never runs it: the blocks past its computed tokens
+        # hold no KV, so they must leave the cache or a later prefix hit would read garbage.
+        self.block_pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size : num_cached])
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -190,7 +190,7 @@ class Scheduler:
                     break
                 if victim_index < i:
                     # Priority policy may pick one already scheduled this step: undo its schedule.
-                    budget += num_scheduled.pop(victim.request_id)
+                    budget += num_scheduled.pop(victim.request_id, 0)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
             if new_blocks is None:
@@ -297,15 +297,16 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> bool:
+        # Length first, as vLLM does: EOS as the last allowed token still reports "length".
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
         params = req.sampling_params
         if token in req.stop_token_ids and req.num_output_tokens >= params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             # EOS ends a request without a stop_reason (as in vLLM); a user stop id is reported.
             if token in params.all_stop_token_ids:
                 req.stop_reason = token
-            return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
 
