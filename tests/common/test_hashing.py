@@ -9,12 +9,12 @@ def test_matches_the_documented_formula():
     block = [1, 2, 3, 70000]
     expected = xxhash.xxh3_128_digest(h0 + b"".join(t.to_bytes(4, "little") for t in block))
     assert root_hash(salt) == h0
-    assert hash_blocks(block + [9, 9], block_size=4, salt=salt) == [expected]
+    assert hash_blocks([*block, 9, 9], block_size=4, salt=salt) == [expected]
 
 
 def test_chain_names_the_whole_prefix():
     a = hash_blocks(list(range(32)), 8)
-    b = hash_blocks([99] + list(range(1, 32)), 8)
+    b = hash_blocks([99, *list(range(1, 32))], 8)
     assert len(a) == 4 and len(set(a)) == 4
     assert all(x != y for x, y in zip(a, b))  # one changed token changes every later block
 

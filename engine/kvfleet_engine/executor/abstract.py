@@ -29,5 +29,6 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abstractmethod
     def shutdown(self) -> None:
         """Release workers and device memory."""

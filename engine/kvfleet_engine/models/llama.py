@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -86,7 +88,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint tensor name fragment -> (our fused parameter fragment, shard id).
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

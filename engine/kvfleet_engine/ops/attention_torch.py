@@ -4,9 +4,10 @@ Layout: ``k_cache``/``v_cache`` are [num_blocks, block_size, KVH, D]; sequence b
 ``q[query_start_loc[b]:query_start_loc[b+1]]``, the last ``q_len`` positions of its ``seq_lens[b]``
 tokens, whose K/V are already in the cache. Causal, GQA (query head h reads KV head h // (H/KVH)).
 
-The batch is ordered decodes first (one query each): those run as one batched, masked attention
-over their gathered pages; prefills run per sequence with SDPA (straight on the new K/V when there is
-no cached prefix, which is the common case and needs no gather).
+The batch is ordered decodes first (one query each). On float32 CPU tensors decodes run in the C
+kernel of ``attention_cpu`` straight from the pages; otherwise as one batched, masked SDPA over their
+gathered pages. Prefills run per sequence with SDPA (straight on the new K/V when there is no cached
+prefix, which is the common case and needs no gather).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kvfleet_engine.ops import attention_cpu
 
 
 @dataclass(slots=True)
@@ -31,9 +34,11 @@ class TorchAttentionPlan:
     """Index tensors shared by every layer of one step."""
 
     num_decodes: int
-    decode_blocks: torch.Tensor | None  # [Bd, M] int64 page table of the decode rows
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, M*bs] bool, True = attend
+    decode_blocks: torch.Tensor | None  # [Bd, M] page table of the decode rows (int32 for C, else int64)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, M*bs] bool, True = attend (torch decode path only)
     prefills: list[PrefillSeq]
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (C decode path only)
+    max_decode_len: int = 0
 
 
 def make_plan(
@@ -43,14 +48,21 @@ def make_plan(
     num_decodes: int,
     block_size: int,
     device: torch.device | str,
+    use_c_decode: bool = False,
 ) -> TorchAttentionPlan:
-    decode_blocks = decode_mask = None
+    decode_blocks = decode_mask = decode_lens = None
+    max_decode_len = 0
     if num_decodes:
         lens = seq_lens[:num_decodes]
-        m = int(-(-lens.max() // block_size))
-        decode_blocks = torch.from_numpy(block_tables[:num_decodes, :m].astype(np.int64)).to(device)
-        positions = np.arange(m * block_size)
-        decode_mask = torch.from_numpy(positions[None, :] < lens[:, None]).to(device)[:, None, None, :]
+        max_decode_len = int(lens.max())
+        m = -(-max_decode_len // block_size)
+        if use_c_decode:
+            decode_blocks = torch.from_numpy(np.ascontiguousarray(block_tables[:num_decodes, :m], dtype=np.int32))
+            decode_lens = torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int32))
+        else:
+            decode_blocks = torch.from_numpy(block_tables[:num_decodes, :m].astype(np.int64)).to(device)
+            positions = np.arange(m * block_size)
+            decode_mask = torch.from_numpy(positions[None, :] < lens[:, None]).to(device)[:, None, None, :]
     prefills = []
     for b in range(num_decodes, len(seq_lens)):
         q_start, q_end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
@@ -59,7 +71,7 @@ def make_plan(
             nb = -(-seq_len // block_size)
             blocks = torch.from_numpy(block_tables[b, :nb].astype(np.int64)).to(device)
         prefills.append(PrefillSeq(q_start, q_end, seq_len, blocks))
-    return TorchAttentionPlan(num_decodes, decode_blocks, decode_mask, prefills)
+    return TorchAttentionPlan(num_decodes, decode_blocks, decode_mask, prefills, decode_lens, max_decode_len)
 
 
 def attention_with_plan(
@@ -74,7 +86,12 @@ def attention_with_plan(
     """q: [T, H, D]; k, v: [T, KVH, D] (this step's new tokens, already written to the cache)."""
     out = torch.empty_like(q)
     nd = plan.num_decodes
-    if nd:
+    if nd and plan.decode_seq_lens is not None:
+        attention_cpu.paged_decode(
+            q[:nd].contiguous(), k_cache, v_cache, plan.decode_blocks, plan.decode_seq_lens, scale,
+            plan.max_decode_len, out[:nd],
+        )  # fmt: skip
+    elif nd:
         kd = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # [Bd, KVH, L, D]
         vd = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
         o = F.scaled_dot_product_attention(

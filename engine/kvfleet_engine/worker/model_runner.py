@@ -15,6 +15,7 @@ from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.sampler import Sampler
 from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.models.registry import get_model_class
+from kvfleet_engine.ops import attention_cpu
 from kvfleet_engine.ops.attention_torch import make_plan
 from kvfleet_engine.worker.input_batch import CachedRequestState, InputBatch, new_request_state
 
@@ -32,6 +33,12 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        self.use_c_decode = (
+            config.attention_backend == "torch"
+            and self.device.type == "cpu"
+            and config.dtype == torch.float32
+            and attention_cpu.available()
+        )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.batch = InputBatch(
@@ -144,7 +151,7 @@ class ModelRunner:
         dev = self.device
         plan = None
         if self.config.attention_backend == "torch":
-            plan = make_plan(cu, seq_lens, block_tables, num_decodes, self.block_size, dev)
+            plan = make_plan(cu, seq_lens, block_tables, num_decodes, self.block_size, dev, self.use_c_decode)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(cu).to(dev),
