@@ -27,10 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = (
-        "model dtype device block_size max_num_seqs max_num_batched_tokens max_model_len num_kv_blocks "
-        "kv_cache_memory_bytes enable_prefix_caching seed scheduling_policy attention_backend"
-    ).split()
+    keys = ["model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "scheduling_policy", "attention_backend"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
 from kvfleet_engine.input_processor import InputProcessor, PromptType
+from kvfleet_engine.models.registry import get_model_class
 from kvfleet_engine.output_processor import OutputProcessor
 from kvfleet_engine.outputs import RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
         )
+        get_model_class(self.config.model)  # unsupported architecture: say so before anything loads
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.engine = EngineCore(self.config, use_tqdm=use_tqdm)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
@@ -125,7 +127,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
         try:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_pending_work():
                 finished, to_stop = self.output_processor.process_outputs(self.engine.step())
                 if to_stop:
                     self.engine.stop_requests(to_stop)
@@ -134,6 +136,7 @@ class LLM:
                     bar.update(1)
         except BaseException:
             self._abort([r for r in request_ids if r not in results])
+            self.engine.step()  # let the workers drop the aborted requests' state too
             raise
         finally:
             bar.close()

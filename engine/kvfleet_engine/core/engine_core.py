@@ -51,6 +51,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or finished ones the workers have not been told to forget yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:

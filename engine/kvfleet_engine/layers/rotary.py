@@ -39,10 +39,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer shares this module and sees the same positions tensor within a step: gather once.
+        if positions is not self._positions or self._cos_sin is None or self._cos_sin[0].dtype != dtype:
+            self._positions = positions
+            self._cos_sin = (
+                self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype),
+            )
+        return self._cos_sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._lookup(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -47,7 +47,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
