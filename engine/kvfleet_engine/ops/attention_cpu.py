@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 _lib: ctypes.CDLL | None = None
+_MIN_PARALLEL_WORK = 1 << 22  # multiply-adds per K (and V) pass below which one thread is used
 _tried = False
 
 
@@ -83,7 +84,10 @@ def paged_decode(
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
-    threads = max(1, min(torch.get_num_threads(), b * kvh))
+    # A parallel region costs a barrier; for little work (short contexts, few sequences) one thread
+    # finishes sooner, and it cannot be stalled by a descheduled sibling on a busy machine.
+    work = int(seq_lens.sum()) * h * d
+    threads = 1 if work < _MIN_PARALLEL_WORK else max(1, min(torch.get_num_threads(), b * kvh))
     rc = _lib.kvf_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, scale, max_seq_len, threads,

@@ -119,13 +119,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        batch = self.batch
-        n = batch.num_reqs
+        n = self.batch.num_reqs
         if n == 0:
             return ModelRunnerOutput([], [])
-        q_lens = np.array([sched.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)], dtype=np.int32)
-        computed = batch.num_computed_tokens[:n]
+        q_lens = np.array([sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32)
+        input_ids, positions, meta, logits_idx = self._prepare_inputs(q_lens)
+        with set_attn_metadata(meta):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        return self._sample(logits, q_lens)
 
+    def _prepare_inputs(self, q_lens: np.ndarray):
+        """Token ids, positions, attention metadata and logits indices for this step, built with numpy."""
+        batch, n, bs, dev = self.batch, len(q_lens), self.block_size, self.device
+        computed = batch.num_computed_tokens[:n]
         # Decodes first: the attention backends batch them separately from prefills.
         is_decode = q_lens == 1
         order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
@@ -133,25 +140,19 @@ class ModelRunner:
         q_o = q_lens[order]
         cu = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(q_o, out=cu[1:])
-        total = int(cu[-1])
         rows = np.repeat(order, q_o)
-        positions = np.repeat(computed[order] - cu[:-1], q_o) + np.arange(total, dtype=np.int32)
+        positions = np.repeat(computed[order] - cu[:-1], q_o) + np.arange(int(cu[-1]), dtype=np.int32)
         token_ids = batch.token_ids[rows, positions]
-        slots = batch.block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + (
-            positions % self.block_size
-        )
+        slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (computed[order] + q_o).astype(np.int32)
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_tables = batch.block_table[order, :max_blocks]
+        block_tables = batch.block_table[order, : -(-int(seq_lens.max()) // bs)]
         # Logits of each row's last scheduled token, in batch-row order (what the sampler indexes).
-        last_in_order = cu[1:] - 1
         logits_idx = np.empty(n, dtype=np.int64)
-        logits_idx[order] = last_in_order
+        logits_idx[order] = cu[1:] - 1
 
-        dev = self.device
         plan = None
         if self.config.attention_backend == "torch":
-            plan = make_plan(cu, seq_lens, block_tables, num_decodes, self.block_size, dev, self.use_c_decode)
+            plan = make_plan(cu, seq_lens, block_tables, num_decodes, bs, dev, self.use_c_decode)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(cu).to(dev),
@@ -162,26 +163,27 @@ class ModelRunner:
             num_decodes=num_decodes,
             plan=plan,
         )
-        input_ids = torch.from_numpy(token_ids.astype(np.int64)).to(dev)
-        pos_t = torch.from_numpy(positions.astype(np.int64)).to(dev)
-        with set_attn_metadata(meta):
-            hidden = self.model(input_ids, pos_t)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])
+        return (
+            torch.from_numpy(token_ids.astype(np.int64)).to(dev),
+            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            meta,
+            torch.from_numpy(logits_idx).to(dev),
+        )
 
+    def _sample(self, logits: torch.Tensor, q_lens: np.ndarray) -> ModelRunnerOutput:
+        batch, n = self.batch, len(q_lens)
         # Rows still mid-prefill sample nothing; their seeded generators must not advance either.
-        completes = computed + q_lens >= batch.num_tokens[:n]
+        completes = batch.num_computed_tokens[:n] + q_lens >= batch.num_tokens[:n]
         saved = {}
         for i in np.flatnonzero(~completes):
             g = batch.states[i].generator
             if g is not None:
                 saved[i] = g.get_state()
-        meta_s = batch.sampling_metadata(self.generator)
-        out = self.sampler(logits, meta_s)
+        out = self.sampler(logits, batch.sampling_metadata(self.generator))
         for i, state in saved.items():
             batch.states[i].generator.set_state(state)
 
         sampled = out.sampled_token_ids.tolist()
-        req_ids = [batch.req_ids[i] for i in range(n)]
         sampled_lists: list[list[int]] = []
         for i in range(n):
             if completes[i]:
@@ -189,7 +191,7 @@ class ModelRunner:
                 sampled_lists.append([sampled[i]])
             else:
                 sampled_lists.append([])
-        result = ModelRunnerOutput(req_ids, sampled_lists)
+        result = ModelRunnerOutput([batch.req_ids[i] for i in range(n)], sampled_lists)
         if out.logprobs is not None:
             result.logprob_token_ids = out.logprobs.token_ids.tolist()
             result.logprobs = out.logprobs.logprobs.tolist()
