@@ -11,9 +11,17 @@ import sys
 
 # sub-command -> (module, function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo-model": ("kvfleet_engine.demo_model", "main", "write a random-weight HF model directory for tests and demos"),
+    "demo-model": (
+        "kvfleet_engine.demo_model",
+        "main",
+        "write a random-weight HF model directory for tests and demos",
+    ),
     "generate": ("kvfleet_engine.cli", "generate_main", "generate text offline from a model directory"),
-    "engine": ("kvfleet_engine.cli", "engine_main", "engine commands (generate; serve comes with the engine server)"),
+    "engine": (
+        "kvfleet_engine.cli",
+        "engine_main",
+        "engine commands (generate; serve comes with the engine server)",
+    ),
 }
 
 

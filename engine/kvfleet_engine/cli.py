@@ -27,7 +27,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "scheduling_policy", "attention_backend"]
+    keys = [
+        "model",
+        "dtype",
+        "device",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "num_kv_blocks",
+        "kv_cache_memory_bytes",
+        "enable_prefix_caching",
+        "seed",
+        "scheduling_policy",
+        "attention_backend",
+    ]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -35,7 +49,9 @@ def generate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvfleet generate", description="Generate text offline.")
     add_engine_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: a few demo prompts")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message with the chat template"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -57,7 +73,9 @@ def generate_main(argv: list[str]) -> int:
     if args.chat:
         tok = llm.get_tokenizer()
         prompts = [
-            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
             for q in prompts
         ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -69,7 +87,16 @@ def generate_main(argv: list[str]) -> int:
         c = o.outputs[0]
         n_out += len(c.token_ids)
         if args.json:
-            print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": o.prompt,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"--- {o.prompt!r}\n{c.text!r}  [{len(c.token_ids)} tokens, {c.finish_reason}]")
     print(f"generated {n_out} tokens for {len(outputs)} prompts in {dt:.2f}s", file=sys.stderr)

@@ -73,7 +73,9 @@ class ModelConfig:
         # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
         rope = raw.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_scaling = raw.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+        rope_scaling = raw.get("rope_scaling") or (
+            {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        )
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
         model_type = raw.get("model_type", "")
@@ -192,7 +194,9 @@ class EngineConfig:
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-            raise ValueError("tensor/pipeline parallelism needs the multiprocess executor (not available yet)")
+            raise ValueError(
+                "tensor/pipeline parallelism needs the multiprocess executor (not available yet)"
+            )
         return cls(
             model=mc,
             dtype=resolve_dtype(dtype, mc.torch_dtype, device),

@@ -33,7 +33,9 @@ class InputProcessor:
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.tokenize(prompt["prompt"])
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+        )
 
     def process(
         self,

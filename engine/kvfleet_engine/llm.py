@@ -80,7 +80,11 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
@@ -106,7 +110,8 @@ class LLM:
                 p.seed = params.seed + i  # distinct but reproducible samples per sequence
             seqs[request_id if params.n == 1 else f"{request_id}-{i}"] = p
         requests = [
-            self.input_processor.process(seq_id, token_ids, p, priority=priority) for seq_id, p in seqs.items()
+            self.input_processor.process(seq_id, token_ids, p, priority=priority)
+            for seq_id, p in seqs.items()
         ]
         added_seqs: list[str] = []
         try:

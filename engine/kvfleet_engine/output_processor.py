@@ -63,7 +63,11 @@ class OutputProcessor:
         self.seq_to_request: dict[str, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: dict[str, SamplingParams]
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        seqs: dict[str, SamplingParams],
     ) -> None:
         states = {
             seq_id: SequenceState(

@@ -97,7 +97,9 @@ class Request:
             parent = self.block_hashes[-1] if n else self._hash_root
             start = n * self.block_size
             self.block_hashes.extend(
-                hash_blocks(self.all_token_ids[start : start + self.block_size], self.block_size, parent=parent)
+                hash_blocks(
+                    self.all_token_ids[start : start + self.block_size], self.block_size, parent=parent
+                )
             )
 
     def is_finished(self) -> bool:

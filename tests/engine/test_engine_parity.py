@@ -124,4 +124,6 @@ def test_logprobs_match_hf_log_softmax(arch_case):
             assert set(entry) == set(top.indices.tolist())
             for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
                 assert entry[tid].logprob == pytest.approx(lp, abs=1e-4)
-        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+        assert c.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs))
+        )

@@ -14,7 +14,10 @@ def llm(demo_model):
 
 def _no_leaks(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.kv.block_pool.free_queue.num_free == llm.engine.scheduler.kv.block_pool.num_usable_blocks
+    assert (
+        llm.engine.scheduler.kv.block_pool.free_queue.num_free
+        == llm.engine.scheduler.kv.block_pool.num_usable_blocks
+    )
     assert not llm.engine.scheduler.kv.req_to_blocks
     assert not llm.output_processor.requests
     assert not llm.engine.executor.worker.runner.requests
@@ -27,11 +30,19 @@ def test_same_seed_same_text_whatever_the_batch(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
     alone = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
     others = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
-    in_batch = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, sp, others], use_tqdm=False)[1].outputs[0]
-    reversed_batch = llm.generate([PROMPTS[3], PROMPTS[2], PROMPTS[0]], [others, others, sp], use_tqdm=False)[2]
+    in_batch = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, sp, others], use_tqdm=False)[
+        1
+    ].outputs[0]
+    reversed_batch = llm.generate([PROMPTS[3], PROMPTS[2], PROMPTS[0]], [others, others, sp], use_tqdm=False)[
+        2
+    ]
     assert alone.token_ids == in_batch.token_ids == reversed_batch.outputs[0].token_ids
     assert alone.text == in_batch.text
-    other_seed = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=20, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other_seed[0].outputs[0].token_ids != alone.token_ids
     _no_leaks(llm)
 
@@ -41,7 +52,12 @@ def test_seeded_sampling_survives_chunked_prefill(demo_model):
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(5, 105))}
     a = LLM(path, use_tqdm=False).generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
-    b = LLM(path, use_tqdm=False, max_num_batched_tokens=16).generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    b = (
+        LLM(path, use_tqdm=False, max_num_batched_tokens=16)
+        .generate(prompt, sp, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert a == b
 
 
@@ -56,18 +72,24 @@ def test_n_returns_distinct_reproducible_samples(llm):
 
 
 def test_stop_string_truncates_and_stops(llm):
-    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0]
     text = full.outputs[0].text
     assert len(text) > 12
     stop = text[8:12]
     first = text.find(stop)
-    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[:first]
     assert len(out.token_ids) < len(full.outputs[0].token_ids)
     kept = llm.generate(
         PROMPTS[2],
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
         use_tqdm=False,
     )[0].outputs[0]
     assert kept.text == text[: first + len(stop)]
@@ -75,14 +97,21 @@ def test_stop_string_truncates_and_stops(llm):
 
 
 def test_stop_token_ids_and_length(llm):
-    full = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 20
     stop_id = full.token_ids[5]
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     held = llm.generate(
-        PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=15, ignore_eos=True),
+        PROMPTS[0],
+        SamplingParams(
+            temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=15, ignore_eos=True
+        ),
         use_tqdm=False,
     )[0].outputs[0]
     assert len(held.token_ids) >= 15
@@ -91,7 +120,9 @@ def test_stop_token_ids_and_length(llm):
 
 def test_max_model_len_caps_generation(llm):
     prompt = {"prompt_token_ids": [7] * 500}
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
 
 
@@ -145,9 +176,11 @@ def test_engine_config_errors(demo_model, tmp_path):
         LLM(path, block_size=12, use_tqdm=False)
     with pytest.raises(ValueError, match=r"config\.json"):
         LLM(tmp_path, use_tqdm=False)
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, '
-                                          '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
-                                          '"num_attention_heads": 1}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, '
+        '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
+        '"num_attention_heads": 1}'
+    )
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(tmp_path, use_tqdm=False)
 

@@ -35,7 +35,11 @@ class EngineCore:
         )  # fmt: skip
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event)
         self.scheduler = Scheduler(
-            kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy
+            kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            config.scheduling_policy,
         )
 
     def add_request(self, request: Request) -> None:

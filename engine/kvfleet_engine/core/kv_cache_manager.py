@@ -107,7 +107,9 @@ class KVCacheManager:
             num_full = min(num_total // self.block_size, len(request.block_hashes))
             start = self.num_cached_blocks.get(request.request_id, 0)
             if num_full > start:
-                self.block_pool.cache_full_blocks(req_blocks[start:num_full], request.block_hashes[start:num_full])
+                self.block_pool.cache_full_blocks(
+                    req_blocks[start:num_full], request.block_hashes[start:num_full]
+                )
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 

@@ -203,7 +203,9 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step already had to preempt (no room for new work).
-        while not preempted_ids and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted_ids and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
@@ -247,7 +249,10 @@ class Scheduler:
     def _pick_victim_index(self) -> int:
         """FCFS: the last admitted. Priority: the lowest priority, latest arrival."""
         if self.policy == "priority":
-            return max(range(len(self.running)), key=lambda j: (self.running[j].priority, self.running[j].arrival_time))
+            return max(
+                range(len(self.running)),
+                key=lambda j: (self.running[j].priority, self.running[j].arrival_time),
+            )
         return len(self.running) - 1
 
     def _preempt(self, req: Request) -> None:

@@ -12,7 +12,12 @@ from kvfleet_engine.ops.attention_torch import attention_with_plan, write_kv_cac
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
         # Bound by the model runner once the cache is allocated ([num_blocks, block_size, KVH, D]).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -32,12 +37,25 @@ class Attention(nn.Module):
         nd = meta.num_decodes
         if nd:
             attention_triton.decode_attention(
-                q[:nd], self.k_cache, self.v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], self.scale, out=out[:nd]
+                q[:nd],
+                self.k_cache,
+                self.v_cache,
+                meta.seq_lens[:nd],
+                meta.block_tables[:nd],
+                self.scale,
+                out=out[:nd],
             )
         if nd < meta.seq_lens.shape[0]:
             qsl = meta.query_start_loc[nd:] - nd
             attention_triton.prefill_attention(
-                q[nd:], self.k_cache, self.v_cache, qsl, meta.seq_lens[nd:], meta.block_tables[nd:], self.scale,
-                out=out[nd:], max_query_len=meta.max_query_len,
+                q[nd:],
+                self.k_cache,
+                self.v_cache,
+                qsl,
+                meta.seq_lens[nd:],
+                meta.block_tables[nd:],
+                self.scale,
+                out=out[nd:],
+                max_query_len=meta.max_query_len,
             )
         return out

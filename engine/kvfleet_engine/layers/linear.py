@@ -70,7 +70,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; heads split across ranks, KV heads replicated if fewer than ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "attention heads")

@@ -44,7 +44,18 @@ def _build() -> ctypes.CDLL | None:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             tmp_out = Path(tmp) / lib_path.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", str(tmp_out), "-lm"]
+            cmd = [
+                cc,
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                str(_SOURCE),
+                "-o",
+                str(tmp_out),
+                "-lm",
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 logger.warning("building the CPU decode kernel failed, using the torch path:\n%s", res.stderr)
@@ -56,7 +67,23 @@ def _build() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     # (q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, KVH, D, block_size, scale,
     #  max_seq_len, num_threads)
-    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    fn.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ctypes.c_int64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        ctypes.c_float,
+        i32,
+        i32,
+    ]
     return lib
 
 

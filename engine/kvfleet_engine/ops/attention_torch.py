@@ -57,7 +57,9 @@ def make_plan(
         max_decode_len = int(lens.max())
         m = -(-max_decode_len // block_size)
         if use_c_decode:
-            decode_blocks = torch.from_numpy(np.ascontiguousarray(block_tables[:num_decodes, :m], dtype=np.int32))
+            decode_blocks = torch.from_numpy(
+                np.ascontiguousarray(block_tables[:num_decodes, :m], dtype=np.int32)
+            )
             decode_lens = torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int32))
         else:
             decode_blocks = torch.from_numpy(block_tables[:num_decodes, :m].astype(np.int64)).to(device)

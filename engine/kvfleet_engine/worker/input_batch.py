@@ -36,7 +36,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int, device):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int, device
+    ):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -78,7 +80,9 @@ class InputBatch:
         self.states[i] = state
         p, o = len(state.prompt_token_ids), len(state.output_token_ids)
         if p + o > self.max_model_len:
-            raise ValueError(f"request {state.req_id} has {p + o} tokens > max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"request {state.req_id} has {p + o} tokens > max_model_len {self.max_model_len}"
+            )
         self.token_ids[i, :p] = state.prompt_token_ids
         self.token_ids[i, p : p + o] = state.output_token_ids
         self.num_tokens[i], self.num_prompt_tokens[i] = p + o, p
@@ -186,7 +190,9 @@ class InputBatch:
         if not no_penalties:
             width = int(self.num_prompt_tokens[:n].max())
             cols = np.arange(width)
-            ids = np.where(cols[None, :] < self.num_prompt_tokens[:n, None], self.token_ids[:n, :width], self.vocab_size)
+            ids = np.where(
+                cols[None, :] < self.num_prompt_tokens[:n, None], self.token_ids[:n, :width], self.vocab_size
+            )
             prompt_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
         return SamplingMetadata(
             temperature=torch.from_numpy(temp.copy()).to(dev),
@@ -200,9 +206,15 @@ class InputBatch:
             no_penalties=no_penalties,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_lists,
-            frequency_penalties=None if no_penalties else torch.from_numpy(self.frequency_penalty[:n].copy()).to(dev),
-            presence_penalties=None if no_penalties else torch.from_numpy(self.presence_penalty[:n].copy()).to(dev),
-            repetition_penalties=None if no_penalties else torch.from_numpy(self.repetition_penalty[:n].copy()).to(dev),
+            frequency_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.frequency_penalty[:n].copy()).to(dev),
+            presence_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.presence_penalty[:n].copy()).to(dev),
+            repetition_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.repetition_penalty[:n].copy()).to(dev),
             min_tokens=min_tokens,
             default_generator=default_generator,
         )

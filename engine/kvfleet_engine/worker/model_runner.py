@@ -42,7 +42,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, self.max_blocks_per_req, config.model.vocab_size, self.device
+            config.max_num_seqs,
+            config.max_model_len,
+            self.max_blocks_per_req,
+            config.model.vocab_size,
+            self.device,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -62,7 +66,9 @@ class ModelRunner:
             torch.set_default_dtype(prev_dtype)
         load_weights(model, cfg.model.path, use_tqdm=use_tqdm)
         model.eval()
-        logger.info("loaded %s (%s) in %.2fs", cfg.model.path, cfg.model.architecture, time.perf_counter() - t0)
+        logger.info(
+            "loaded %s (%s) in %.2fs", cfg.model.path, cfg.model.architecture, time.perf_counter() - t0
+        )
         return model
 
     # ---- KV cache ------------------------------------------------------------------------------
@@ -122,7 +128,9 @@ class ModelRunner:
         n = self.batch.num_reqs
         if n == 0:
             return ModelRunnerOutput([], [])
-        q_lens = np.array([sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32)
+        q_lens = np.array(
+            [sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32
+        )
         input_ids, positions, meta, logits_idx = self._prepare_inputs(q_lens)
         with set_attn_metadata(meta):
             hidden = self.model(input_ids, positions)
