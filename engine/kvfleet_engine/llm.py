@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from kvfleet_engine.config import EngineConfig
@@ -20,44 +20,12 @@ from kvfleet_engine.tokenizer import load_tokenizer
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        device: str = "auto",
-        seed: int = 0,
-        scheduling_policy: str = "fcfs",
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        use_tqdm: bool = True,
-    ) -> None:
-        self.config = EngineConfig.create(
-            model=model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            seed=seed,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-        )
+    def __init__(self, model: str | Path, use_tqdm: bool = True, **engine_args: Any) -> None:
+        """``engine_args`` are :meth:`EngineConfig.create`'s (vLLM's names): dtype, device, block_size,
+        max_num_seqs, max_num_batched_tokens, max_model_len, num_kv_blocks, kv_cache_memory_bytes,
+        gpu_memory_utilization, enable_prefix_caching, scheduling_policy, seed, attention_backend,
+        tensor_parallel_size, pipeline_parallel_size. Unknown names raise TypeError."""
+        self.config = EngineConfig.create(model=model, **engine_args)
         get_model_class(self.config.model)  # unsupported architecture: say so before anything loads
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.engine = EngineCore(self.config, use_tqdm=use_tqdm)
