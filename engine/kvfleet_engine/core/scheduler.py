@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
 from kvfleet_engine.core.sched_output import (
@@ -96,7 +96,6 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
-    step_counts: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
