@@ -16,6 +16,5 @@ if [ ! -f "$stamp" ]; then
   # torch first and alone, pinned: nothing later may resolve it to a CUDA wheel.
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[$extras]"
-  rm -f .venv/.kvfleet-installed-*
   touch "$stamp"
 fi
