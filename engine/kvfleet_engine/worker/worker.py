@@ -15,9 +15,7 @@ _CPU_DEFAULT_KV_BYTES = 4 << 30
 class Worker:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True) -> None:
         self.config = config
-        if config.device == "cpu":
-            torch.set_num_threads(max(torch.get_num_threads(), 1))
-        else:
+        if config.device != "cpu":
             torch.cuda.set_device(torch.device(config.device))
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, use_tqdm=use_tqdm)
