@@ -2,6 +2,13 @@
 # The test suite, from a fresh machine: set up, lint, run pytest (extra pytest args pass through).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh engine,triton,dev
+scripts/setup.sh engine,triton,gateway,operator,dev
+# integration tests run a real redis-server
+if ! command -v redis-server >/dev/null; then
+  echo "[setup] installing redis-server (apt)"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get install -y -qq redis-server >/dev/null 2>&1 \
+    || { $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq redis-server >/dev/null; }
+fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
