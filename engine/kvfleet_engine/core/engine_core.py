@@ -3,15 +3,53 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.block_pool import KVEventSink
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.sched_output import SchedulerOutput
 from kvfleet_engine.core.scheduler import EngineCoreOutput, Scheduler
 from kvfleet_engine.executor.abstract import Executor
 from kvfleet_engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepRates:
+    """Measured prefill and decode throughput (tokens/s), exponentially averaged over recent steps.
+
+    A step mixes prefill chunks and decodes; its time is split between them in proportion to
+    their token counts, so a step's prefill rate is its total tokens / time. Decode throughput is
+    the decoding requests / step time (each gets one token per step). The gateway divides uncached prompt tokens by ``prefill_tokens_per_s`` to
+    predict time-to-first-token, so this must track the real engine, not a configured guess.
+    """
+
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    alpha: float = 0.2
+
+    def record(self, sched: SchedulerOutput, requests: Mapping, seconds: float) -> None:
+        if seconds <= 0 or sched.total_num_scheduled_tokens == 0:
+            return
+        decode = 0
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if n == 1 and req is not None and req.num_output_tokens > 0:
+                decode += 1
+        prefill = sched.total_num_scheduled_tokens - decode
+        total = prefill + decode
+        if prefill:
+            self.prefill_tokens_per_s = self._ema(self.prefill_tokens_per_s, total / seconds)
+        if decode:
+            # Aggregate decode throughput: one token per decoding request per step.
+            self.decode_tokens_per_s = self._ema(self.decode_tokens_per_s, decode / seconds)
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0.0 else old + self.alpha * (new - old)
 
 
 class EngineCore:
@@ -34,6 +72,9 @@ class EngineCore:
             num_blocks, config.block_size, num_blocks * config.kv_bytes_per_block / 2**20,
         )  # fmt: skip
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event)
+        self.rates = StepRates()
+        self.sleep_level = 0  # 0 awake; else the level it went to sleep with, until fully awake
+        self._asleep_parts: set[str] = set()
         self.scheduler = Scheduler(
             kv,
             config.max_num_seqs,
@@ -63,11 +104,61 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return []
+        t0 = time.perf_counter()
         runner_out = self.executor.execute_model(sched)
+        self.rates.record(sched, self.scheduler.requests, time.perf_counter() - t0)
         return self.scheduler.update_from_output(sched, runner_out)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    # ---- sleep / wake ---------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> list[EngineCoreOutput]:
+        """Free device memory: level 1 offloads weights to host memory, level 2 discards them.
+
+        Requests still running are aborted (their final outputs are returned so callers can end
+        them); the prefix cache is emptied, since the KV memory behind it goes away. Sleeping
+        again while asleep is a no-op.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            return []
+        aborted = self.scheduler.finish_requests(
+            list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
+        )
+        self.step()  # tell the workers to drop the aborted requests' state
+        if not self.reset_prefix_cache():
+            raise RuntimeError("cannot sleep: KV blocks are still held after aborting every request")
+        self.executor.sleep(level)
+        self.sleep_level = level
+        self._asleep_parts = {"weights", "kv_cache"}
+        return [
+            EngineCoreOutput(
+                request_id=r.request_id, new_token_ids=[], finish_reason="abort",
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+            )
+            for r in aborted
+        ]  # fmt: skip
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep() released: ``tags`` is a subset of {"weights", "kv_cache"} (None: both)."""
+        parts = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = parts - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        parts &= self._asleep_parts
+        if not parts:
+            return
+        self.executor.wake_up(sorted(parts))
+        self._asleep_parts -= parts
+        if not self._asleep_parts:
+            self.sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def shutdown(self) -> None:
         self.executor.shutdown()

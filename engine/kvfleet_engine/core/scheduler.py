@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
 from kvfleet_engine.core.sched_output import (
     CachedRequestData,
@@ -28,8 +30,7 @@ from kvfleet_engine.core.sched_output import (
 from kvfleet_engine.request import Request, RequestStatus
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step produced for one request (new tokens since the last output)."""
 
     request_id: str
