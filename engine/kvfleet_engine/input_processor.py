@@ -14,6 +14,19 @@ from kvfleet_engine.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+def fan_out(request_id: str, params: SamplingParams) -> dict[str, SamplingParams]:
+    """An ``n``-sample request becomes n sequences (ids ``{id}-{i}``; just ``id`` when n == 1), each
+    with n=1; a seeded request gives sequence i the seed ``seed + i`` (distinct but reproducible)."""
+    seqs: dict[str, SamplingParams] = {}
+    for i in range(params.n):
+        p = params.clone()
+        p.n = 1
+        if params.seed is not None:
+            p.seed = params.seed + i
+        seqs[request_id if params.n == 1 else f"{request_id}-{i}"] = p
+    return seqs
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
-from kvfleet_engine.input_processor import InputProcessor, PromptType
+from kvfleet_engine.input_processor import InputProcessor, PromptType, fan_out
 from kvfleet_engine.models.registry import get_model_class
 from kvfleet_engine.output_processor import OutputProcessor
 from kvfleet_engine.outputs import RequestOutput
@@ -70,13 +70,7 @@ class LLM:
     def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
         request_id = str(next(self._ids))
         text, token_ids = self.input_processor.tokenize(prompt)
-        seqs: dict[str, SamplingParams] = {}
-        for i in range(params.n):
-            p = params.clone()
-            p.n = 1
-            if params.seed is not None:
-                p.seed = params.seed + i  # distinct but reproducible samples per sequence
-            seqs[request_id if params.n == 1 else f"{request_id}-{i}"] = p
+        seqs = fan_out(request_id, params)
         requests = [
             self.input_processor.process(seq_id, token_ids, p, priority=priority)
             for seq_id, p in seqs.items()
@@ -114,6 +108,19 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory until :meth:`wake_up`: level 1 keeps the weights in host memory,
+        level 2 discards them (reloaded from the model directory on wake). The prefix cache is emptied."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep`; ``tags`` ("weights", "kv_cache") wakes only part (None: everything)."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

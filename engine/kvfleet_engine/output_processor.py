@@ -88,35 +88,96 @@ class OutputProcessor:
         finished: list[RequestOutput] = []
         to_stop: list[str] = []
         for out in outputs:
-            rid = self.seq_to_request.get(out.request_id)
-            if rid is None:
-                continue
-            req = self.requests[rid]
-            seq = req.seqs[out.request_id]
-            if seq.finish_reason is not None:
-                continue
-            if seq.index == 0:
-                req.num_cached_tokens = out.num_cached_tokens
-            seq.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None and seq.logprobs is not None:
-                for ids, lps, rank in out.new_logprobs:
-                    seq.logprobs.append(self._logprob_dict(ids, lps, rank))
-                    seq.cumulative_logprob += lps[0]
-            stop_str = seq.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
-            if stop_str is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-                if not out.finished:
-                    to_stop.append(out.request_id)
-            elif out.finished:
-                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-                seq.detok.flush()
-            if seq.finish_reason is not None:
-                self.seq_to_request.pop(out.request_id, None)
-                req.num_unfinished -= 1
-                if req.num_unfinished == 0:
-                    finished.append(req.output())
-                    del self.requests[rid]
+            self._apply(out, finished, to_stop)
         return finished, to_stop
+
+    def process_outputs_delta(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Streaming form: one RequestOutput per request that changed, holding only what is new
+        (text, token ids and logprobs since the previous delta) for the sequences that changed;
+        ``finished`` is set on a request's last delta. Also returns the sequence ids to stop."""
+        deltas: dict[str, dict[int, CompletionOutput]] = {}
+        states: dict[str, RequestState] = {}
+        to_stop: list[str] = []
+        finished: list[RequestOutput] = []
+        for out in outputs:
+            applied = self._apply(out, finished, to_stop)
+            if applied is None:
+                continue
+            req, seq, first_new_logprob = applied
+            states[req.request_id] = req
+            done = seq.finish_reason is not None
+            text = seq.detok.get_next_output_text(finished=done, delta=True)
+            per_req = deltas.setdefault(req.request_id, {})
+            prev = per_req.get(seq.index)
+            new_lps = seq.logprobs[first_new_logprob:] if seq.logprobs is not None else None
+            if prev is None:
+                per_req[seq.index] = CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(out.new_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=new_lps,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            else:  # two outputs for one sequence in a batch (not produced today, but harmless)
+                prev.text += text
+                prev.token_ids.extend(out.new_token_ids)
+                if prev.logprobs is not None and new_lps:
+                    prev.logprobs.extend(new_lps)
+                prev.finish_reason, prev.stop_reason = seq.finish_reason, seq.stop_reason
+        result = []
+        for rid, per_req in deltas.items():
+            req = states[rid]
+            result.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=req.prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=sorted(per_req.values(), key=lambda c: c.index),
+                    finished=req.num_unfinished == 0,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return result, to_stop
+
+    def _apply(
+        self, out: EngineCoreOutput, finished: list[RequestOutput], to_stop: list[str]
+    ) -> tuple[RequestState, SequenceState, int] | None:
+        """Fold one core output into its sequence; returns (request, sequence, index of its first new
+        logprob entry), or None when the output belongs to no live sequence."""
+        rid = self.seq_to_request.get(out.request_id)
+        if rid is None:
+            return None
+        req = self.requests[rid]
+        seq = req.seqs[out.request_id]
+        if seq.finish_reason is not None:
+            return None
+        first_new_logprob = len(seq.logprobs) if seq.logprobs is not None else 0
+        if seq.index == 0:
+            req.num_cached_tokens = out.num_cached_tokens
+        seq.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and seq.logprobs is not None:
+            for ids, lps, rank in out.new_logprobs:
+                seq.logprobs.append(self._logprob_dict(ids, lps, rank))
+                seq.cumulative_logprob += lps[0]
+        stop_str = seq.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+            if not out.finished:
+                to_stop.append(out.request_id)
+        elif out.finished:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            seq.detok.flush()
+        if seq.finish_reason is not None:
+            self.seq_to_request.pop(out.request_id, None)
+            req.num_unfinished -= 1
+            if req.num_unfinished == 0:
+                finished.append(req.output())
+                del self.requests[rid]
+        return req, seq, first_new_logprob
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its sequence ids (for the core to abort)."""

@@ -1,0 +1,237 @@
+"""AsyncLLM: the API server's engine. Tokenize and validate here, generate in the core process.
+
+``generate()`` is an async iterator of *delta* RequestOutputs (only what is new since the previous
+one). Each request has a :class:`RequestOutputCollector`: the output task puts deltas into it
+without ever blocking, and a slow consumer simply finds several deltas merged into one when it
+next looks (so a slow client never slows the engine down). Cancelling the iterator (a client
+disconnect) aborts the request in the core, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core.core_process import PresenceOptions
+from kvfleet_engine.core.messages import CoreStats, EngineCoreOutputs, EngineCoreRequest
+from kvfleet_engine.core_client import EngineCoreClient, EngineDeadError, sampling_params_to_wire
+from kvfleet_engine.input_processor import InputProcessor, fan_out
+from kvfleet_engine.output_processor import OutputProcessor
+from kvfleet_engine.outputs import RequestOutput
+from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSleepingError(RuntimeError):
+    """Generation was asked of a sleeping engine (HTTP 503 with Retry-After)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The engine ended the request without finishing it (e.g. it was put to sleep)."""
+
+
+class RequestOutputCollector:
+    """One request's mailbox between the output task (producer) and its handler (consumer)."""
+
+    __slots__ = ("_output", "_ready")
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self._output is None or isinstance(item, BaseException):
+            self._output = item
+        elif isinstance(self._output, RequestOutput):
+            _merge_delta(self._output, item)
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        out = self._output
+        if out is None:
+            return None
+        self._output = None
+        self._ready.clear()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def get(self) -> RequestOutput:
+        # The fast path first: no await (no task switch) when a delta is already waiting.
+        out = self.get_nowait()
+        while out is None:
+            await self._ready.wait()
+            out = self.get_nowait()
+        return out
+
+
+def _merge_delta(acc: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            acc.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs.sort(key=lambda c: c.index)
+    acc.finished = new.finished
+    acc.num_cached_tokens = new.num_cached_tokens
+
+
+@dataclass(slots=True)
+class _Live:
+    collector: RequestOutputCollector
+    seq_ids: list[str]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, presence: PresenceOptions | None = None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = EngineCoreClient(config, self._on_outputs, self._on_dead, presence)
+        self.stats = CoreStats()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self.sleep_level = 0
+        # Called with (RequestOutput delta) after every step that touched requests; metrics hook.
+        self.stats_listeners: list = []
+
+    async def start(self) -> None:
+        await self.client.start()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead_reason
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._live)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs until the request finishes. Raises ValueError for an invalid
+        request (before anything reaches the core), EngineSleepingError, EngineDeadError."""
+        if self.client.dead:
+            raise EngineDeadError(self.client.dead_reason)
+        if self.sleep_level:
+            raise EngineSleepingError("the engine is sleeping")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = fan_out(request_id, params)
+        wire = []
+        for seq_id, p in seqs.items():
+            req = self.input_processor.process(seq_id, prompt_token_ids, p, priority, cache_salt)
+            wire.append(
+                EngineCoreRequest(
+                    request_id=seq_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=sampling_params_to_wire(req.sampling_params),
+                    arrival_time=req.arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+        collector = RequestOutputCollector()
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
+        self._live[request_id] = _Live(collector, list(seqs))
+        finished = False
+        try:
+            await self.client.add_requests(wire)
+            while True:
+                out = await collector.get()
+                finished = out.finished
+                if finished and any(c.finish_reason == "abort" for c in out.outputs):
+                    raise RequestAbortedError("the request was aborted by the engine (it went to sleep)")
+                yield out
+                if finished:
+                    break
+        finally:
+            self._live.pop(request_id, None)
+            if not finished:  # cancelled (client gone), or failed: free its KV blocks in the core
+                seq_ids = self.output_processor.abort_request(request_id)
+                if seq_ids:
+                    try:
+                        await asyncio.shield(self.client.abort(seq_ids))
+                    except Exception:
+                        logger.debug("abort of %s not delivered", request_id, exc_info=True)
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        seq_ids = self.output_processor.abort_request(request_id)
+        if live is not None:
+            live.collector.put(RequestAbortedError(f"request {request_id} was aborted"))
+        await self.client.abort(seq_ids)
+
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        if outs.stats is not None:
+            self.stats = outs.stats
+            self.sleep_level = outs.stats.sleep_level
+        if not outs.outputs:
+            return
+        deltas, to_stop = self.output_processor.process_outputs_delta(outs.outputs)
+        for d in deltas:
+            live = self._live.get(d.request_id)
+            if live is not None:
+                live.collector.put(d)
+        for listener in self.stats_listeners:
+            listener(deltas)
+        if to_stop:
+            asyncio.get_running_loop().create_task(self.client.abort(to_stop))
+
+    def _on_dead(self, reason: str) -> None:
+        err = EngineDeadError(reason)
+        for live in self._live.values():
+            live.collector.put(err)
+
+    # ---- sleep / wake and friends ------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        await self.client.call("sleep", level)
+        self.sleep_level = level
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.client.call("wake_up", tags)
+        self.sleep_level = 1 if await self.client.call("is_sleeping") else 0
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.client.call("is_sleeping"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call("reset_prefix_cache"))
+
+    async def set_state(self, state: str) -> None:
+        await self.client.call("set_state", state)
+
+    async def refresh_stats(self) -> CoreStats:
+        await self.client.call("stats", timeout=5)
+        return self.stats
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
