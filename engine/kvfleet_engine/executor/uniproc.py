@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvfleet_engine.executor.abstract import Executor
@@ -19,8 +21,24 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        out = self.worker.execute_model(sched)
+        if not non_block:
+            return out
+        fut: Future[ModelRunnerOutput] = Future()
+        fut.set_result(out)
+        return fut
+
+    def sleep(self, level: int = 1) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.worker.wake_up(tags)
+
+    def memory_report(self) -> dict[str, int]:
+        return self.worker.memory_report()
 
     def shutdown(self) -> None:
         self.worker.runner.free_kv_cache()

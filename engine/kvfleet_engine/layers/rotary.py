@@ -44,6 +44,10 @@ class RotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def clear_cache(self) -> None:
+        """Forget the per-step gathered tables (e.g. before the worker sleeps)."""
+        self._positions = self._cos_sin = None
+
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer shares this module and sees the same positions tensor within a step: gather once.
         if positions is not self._positions or self._cos_sin is None or self._cos_sin[0].dtype != dtype:

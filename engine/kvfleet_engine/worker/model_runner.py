@@ -86,7 +86,15 @@ class ModelRunner:
             self.kv_caches.append((k, v))
         self.num_blocks = num_blocks
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """KV bytes one block takes on this worker (its own layers and KV heads only)."""
+        elem = torch.tensor([], dtype=self.config.dtype).element_size()
+        per_layer = sum(layer.num_kv_heads for layer in self.attn_layers) * self.config.model.head_dim
+        return 2 * self.block_size * per_layer * elem
+
     def free_kv_cache(self) -> None:
+        """Drop every reference to the cache tensors so their storage is released."""
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_caches = []

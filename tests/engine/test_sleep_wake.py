@@ -1,0 +1,153 @@
+"""Sleep / wake of the worker: memory really released, outputs bit-identical after waking.
+
+Driven through ``EngineCore`` (scheduler + executor + worker) on the float32 ``tiny`` model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core.engine_core import EngineCore
+from kvfleet_engine.input_processor import InputProcessor
+from kvfleet_engine.sampling_params import SamplingParams
+
+MAX_NEW = 12
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 4096) for _ in range(40)]  # shared prefix: cache hits in one batch
+    return [shared + [rng.randrange(3, 4096) for _ in range(k)] for k in (1, 9, 30)] + [
+        [rng.randrange(3, 4096) for _ in range(70)]
+    ]
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    proc = InputProcessor(core.config, tokenizer=None)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        core.add_request(proc.process(rid, p, params))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while core.has_pending_work():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[rid] for rid in ids]
+
+
+def _core(path, **kw) -> EngineCore:
+    # Small chunks: prompts are prefilled over several steps (chunked prefill in the mix).
+    cfg = EngineConfig.create(path, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw)
+    return EngineCore(cfg, use_tqdm=False)
+
+
+def _unique_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def core(request, demo_model):
+    c = _core(demo_model(arch=request.param))
+    yield c
+    c.shutdown()
+
+
+def test_memory_report_counts_each_storage_once(core):
+    worker = core.executor.worker
+    report = core.executor.memory_report()
+    assert report["weights"] == _unique_bytes(worker.runner.model)
+    assert report["kv_cache"] == core.num_kv_blocks * core.config.kv_bytes_per_block
+    if core.config.model.tie_word_embeddings:  # qwen2 tiny: the LM head is the embedding
+        model = worker.runner.model
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_releases_memory_and_wake_gives_identical_greedy_outputs(core, level):
+    prompts = _prompts()
+    before = _generate(core, prompts, f"before{level}")
+    full = core.executor.memory_report()
+    assert full["kv_cache"] > 0 and full["weights"] > 0
+
+    core.sleep(level)
+    asleep = core.executor.memory_report()
+    assert asleep["kv_cache"] == 0
+    if level == 2:
+        assert asleep["weights"] == 0
+    else:  # CPU: the weights already are host memory, so level 1 keeps them where they are
+        assert asleep["weights"] == full["weights"]
+    # The prefix cache went with the KV memory: every usable block is free and nothing is cached.
+    kv = core.scheduler.kv
+    assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
+
+    core.wake_up()
+    assert core.executor.memory_report() == full
+    after = _generate(core, prompts, f"after{level}")
+    assert after == before
+
+
+def test_sleep_twice_wake_twice_and_wake_by_parts(core):
+    prompts = _prompts()[:2]
+    ref = _generate(core, prompts, "ref")
+    core.sleep(2)
+    core.sleep(2)  # no-op while asleep
+    core.executor.sleep(1)  # the executor too: nothing left to release
+    assert core.executor.memory_report()["weights"] == 0
+
+    core.wake_up(["kv_cache"])
+    report = core.executor.memory_report()
+    assert report["kv_cache"] == core.num_kv_blocks * core.config.kv_bytes_per_block
+    assert report["weights"] == 0
+    core.wake_up(["kv_cache"])  # already awake: no-op
+    core.wake_up(["weights"])
+    core.wake_up()
+    core.executor.wake_up(None)
+    assert core.executor.memory_report()["weights"] == _unique_bytes(core.executor.worker.runner.model)
+    assert _generate(core, prompts, "again") == ref
+
+
+def test_worker_refuses_to_run_while_asleep_and_bad_arguments_are_clear(core):
+    worker = core.executor.worker
+    with pytest.raises(ValueError, match="sleep level"):
+        worker.sleep(3)
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        worker.wake_up(["weights", "gpu"])
+    worker.sleep(1)
+    try:
+        with pytest.raises(RuntimeError, match="asleep"):
+            worker.execute_model(core.scheduler.schedule())
+    finally:
+        worker.wake_up()
+    assert not worker.asleep and worker.sleep_level == 0
+
+
+def test_wake_after_level2_rereads_weights_that_match_the_checkpoint(demo_model):
+    from safetensors.torch import load_file
+
+    path = demo_model(arch="mistral")
+    core = _core(path)
+    try:
+        core.sleep(2)
+        core.wake_up(["weights"])
+        model = core.executor.worker.runner.model
+        ckpt = {}
+        for f in sorted(path.glob("*.safetensors")):
+            ckpt.update(load_file(str(f)))
+        layer = model.model.layers[0]
+        q = ckpt["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(layer.self_attn.qkv_proj.weight[: q.shape[0]], q)
+        assert torch.equal(layer.mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"])
+        core.wake_up(["kv_cache"])
+        assert not core.is_sleeping
+    finally:
+        core.shutdown()
