@@ -39,3 +39,16 @@ def demo_model(tmp_path_factory) -> Callable[..., Path]:
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh real redis-server on a free port (no persistence): ``.url``, ``.restart()``, ``.stop()``, ``.start()``."""
+    from redis_server import RedisServer  # tests/redis_server.py
+
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()

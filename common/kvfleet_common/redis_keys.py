@@ -1,0 +1,282 @@
+"""Every Redis key kvfleet writes: one function per key, and a table (``KEY_SPECS``) describing each.
+
+All keys start with ``kvf:``. Names embedded in keys (models, replica names, tenants) are checked by
+:func:`check_name` and never contain ``:``, so every key parses back to exactly one spec
+(:func:`spec_for`); a test scans Redis after a full scenario and fails on any key no spec describes.
+
+=====================================  ======  =================  ==========  =========================================
+key                                    type    TTL                writer      content
+=====================================  ======  =================  ==========  =========================================
+kvf:replica:<replica_id>               hash    heartbeat (~5 s)   engine      heartbeat record (schemas.Heartbeat)
+kvf:replica:<replica_id>:blocks        set     = heartbeat's      engine      16-byte hashes of its cached KV blocks
+kvf:replica:<replica_id>:resync        set     60 s               engine      staging set while a full resync uploads
+kvf:name:<replica_name>                string  heartbeat (~5 s)   engine      current replica id (name#epoch)
+kvf:models                             set     none               engine/op   model names known to the platform
+kvf:model:<model>:replicas             set     none (pruned)      engine      replica ids that heartbeat for the model
+kvf:model:<model>:config               string  none               operator    JSON schemas.ModelConfig
+kvf:model:<model>:activity             string  none               gateway     last request time, unix seconds (float)
+kvf:model:<model>:wake_lock            string  PX (~30 s)         gateway     holder token of the one pending wake
+kvf:model:<model>:tokenizers           set     none               engine      published tokenizer revisions
+kvf:model:<model>:tokenizer:<rev>      hash    none               engine      tokenizer file name -> file bytes
+kvf:tenants                            set     none               operator    tenant names
+kvf:tenant:<tenant>                    string  none               operator    JSON schemas.TenantRecord
+kvf:tenant:<tenant>:keys               hash    none               operator    key id -> SHA-256 hex of the API key
+kvf:apikey:<sha256_hex>                string  none               operator    tenant name owning the key
+kvf:ratelimit:<tenant>:<minute>        hash    120 s              gateway     {requests, tokens} used in that minute
+kvf:inflight:replica:<replica_id>      string  300 s (refreshed)  gateway     requests the gateways have in flight
+kvf:inflight:tenant:<tenant>           string  300 s (refreshed)  gateway     the tenant's concurrent requests
+=====================================  ======  =================  ==========  =========================================
+
+A replica's heartbeat, its block set and its name record share one lifetime: every heartbeat
+refreshes all three, so a replica that dies without deregistering disappears from Redis by itself
+after one TTL, and its id is pruned from ``kvf:model:<model>:replicas`` the next time it is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "kvf:"
+
+HEARTBEAT_TTL_S = 5.0
+"""Default heartbeat TTL; engines refresh every ~1 s, so a replica is dead after ~5 missed beats."""
+RESYNC_STAGING_TTL_S = 60.0
+WAKE_LOCK_TTL_MS = 30_000
+RATELIMIT_WINDOW_S = 60
+RATELIMIT_TTL_S = 120  # the current and the previous window stay readable
+INFLIGHT_TTL_S = 300  # bounds the damage of a gateway that died holding counts
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252}")
+_REPLICA_ID_RE = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252})#(?P<epoch>[0-9]{1,20})")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Return ``name`` if it is a valid model / replica / tenant name, else raise ValueError.
+
+    Allowed: letters, digits and ``. _ / @ + = -`` (so Hugging Face ids like ``org/model`` work), not
+    starting with punctuation, at most 253 characters. ``:`` and ``#`` are excluded: they separate
+    key parts and the replica epoch.
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid {what} {name!r}: use 1-253 letters, digits or ._/@+=- characters, starting with a letter or digit"
+        )
+    return name
+
+
+def make_replica_id(name: str, epoch: int) -> str:
+    """``<name>#<epoch>``: the epoch (boot time in ms) tells boots of the same replica name apart."""
+    check_name(name, "replica name")
+    if not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"replica epoch must be a non-negative int, got {epoch!r}")
+    return f"{name}#{epoch}"
+
+
+def parse_replica_id(replica_id: str) -> tuple[str, int]:
+    """Split ``<name>#<epoch>``; ValueError if malformed."""
+    m = _REPLICA_ID_RE.fullmatch(replica_id) if isinstance(replica_id, str) else None
+    if m is None:
+        raise ValueError(f"invalid replica id {replica_id!r}: expected '<name>#<epoch>'")
+    return m["name"], int(m["epoch"])
+
+
+def check_sha256_hex(value: str) -> str:
+    if not isinstance(value, str) or not _HEX64_RE.fullmatch(value):
+        raise ValueError(f"expected a lowercase SHA-256 hex digest (64 chars), got {value!r}")
+    return value
+
+
+# ---- replicas (engine) -------------------------------------------------------------------------
+
+
+def replica(replica_id: str) -> str:
+    """HASH, TTL = heartbeat TTL: the replica's heartbeat record plus ``kv_seq_applied``."""
+    parse_replica_id(replica_id)
+    return f"{PREFIX}replica:{replica_id}"
+
+
+def replica_blocks(replica_id: str) -> str:
+    """SET of 16-byte block hashes the replica caches; expires together with its heartbeat."""
+    parse_replica_id(replica_id)
+    return f"{PREFIX}replica:{replica_id}:blocks"
+
+
+def replica_resync(replica_id: str) -> str:
+    """SET, TTL 60 s: a full resync is uploaded here in chunks, then renamed onto ``replica_blocks``."""
+    parse_replica_id(replica_id)
+    return f"{PREFIX}replica:{replica_id}:resync"
+
+
+def replica_name(name: str) -> str:
+    """STRING, TTL = heartbeat TTL: replica name -> its current replica id (the latest boot epoch)."""
+    return f"{PREFIX}name:{check_name(name, 'replica name')}"
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+
+def models() -> str:
+    """SET of model names (added by a replica's heartbeat or a model config; removed by purge_model)."""
+    return f"{PREFIX}models"
+
+
+def model_replicas(model: str) -> str:
+    """SET of replica ids serving ``model``; ids whose heartbeat expired are pruned when read."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:replicas"
+
+
+def model_config(model: str) -> str:
+    """STRING: JSON ``ModelConfig`` written by the operator."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:config"
+
+
+def model_activity(model: str) -> str:
+    """STRING: unix time (float seconds) of the model's last request; drives idle sleep."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:activity"
+
+
+def model_wake_lock(model: str) -> str:
+    """STRING with PX TTL: held while one wake of the model is in progress (de-duplicates wakes)."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:wake_lock"
+
+
+def model_tokenizers(model: str) -> str:
+    """SET of tokenizer revisions published for ``model`` (so purge_model finds them all)."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:tokenizers"
+
+
+def model_tokenizer(model: str, revision: str) -> str:
+    """HASH: file name -> file bytes of one tokenizer revision (revision = SHA-256 of the files)."""
+    return f"{PREFIX}model:{check_name(model, 'model')}:tokenizer:{check_sha256_hex(revision)}"
+
+
+# ---- tenants ---------------------------------------------------------------------------------------
+
+
+def tenants() -> str:
+    """SET of tenant names."""
+    return f"{PREFIX}tenants"
+
+
+def tenant(name: str) -> str:
+    """STRING: JSON ``TenantRecord``."""
+    return f"{PREFIX}tenant:{check_name(name, 'tenant')}"
+
+
+def tenant_keys(name: str) -> str:
+    """HASH: API key id -> SHA-256 hex of the key (the key itself is never stored)."""
+    return f"{PREFIX}tenant:{check_name(name, 'tenant')}:keys"
+
+
+def api_key(sha256_hex: str) -> str:
+    """STRING: SHA-256 hex of an API key -> tenant name."""
+    return f"{PREFIX}apikey:{check_sha256_hex(sha256_hex)}"
+
+
+def ratelimit(tenant_name: str, minute: int) -> str:
+    """HASH {requests, tokens}, TTL 120 s: the tenant's usage in window ``minute`` (= unix time // 60)."""
+    if not isinstance(minute, int) or minute < 0:
+        raise ValueError(f"minute must be a non-negative int, got {minute!r}")
+    return f"{PREFIX}ratelimit:{check_name(tenant_name, 'tenant')}:{minute}"
+
+
+def inflight_replica(replica_id: str) -> str:
+    """STRING counter, TTL 300 s refreshed on every change: requests in flight to the replica."""
+    parse_replica_id(replica_id)
+    return f"{PREFIX}inflight:replica:{replica_id}"
+
+
+def inflight_tenant(name: str) -> str:
+    """STRING counter, TTL 300 s refreshed on every change: the tenant's concurrent requests."""
+    return f"{PREFIX}inflight:tenant:{check_name(name, 'tenant')}"
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    pattern: str  # as in the docs, placeholders in <>
+    type: str  # Redis type as TYPE reports it
+    ttl: str
+    writer: str
+    readers: str
+    content: str
+
+    def regex(self) -> re.Pattern[str]:
+        name = r"[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252}"
+        parts = {
+            "<replica_id>": rf"{name}#[0-9]{{1,20}}",
+            "<replica_name>": name,
+            "<model>": name,
+            "<tenant>": name,
+            "<rev>": r"[0-9a-f]{64}",
+            "<sha256_hex>": r"[0-9a-f]{64}",
+            "<minute>": r"[0-9]+",
+        }
+        out = re.escape(self.pattern)
+        for placeholder, rx in parts.items():
+            out = out.replace(re.escape(placeholder), rx)
+        return re.compile(out)
+
+
+KEY_SPECS: tuple[KeySpec, ...] = (
+    KeySpec("kvf:replica:<replica_id>", "hash", "heartbeat TTL (~5 s), refreshed every ~1 s", "engine",
+            "gateway, operator", "heartbeat record (schemas.Heartbeat) + kv_seq_applied"),
+    KeySpec("kvf:replica:<replica_id>:blocks", "set", "same as the replica's heartbeat", "engine",
+            "gateway (prefix_match)", "16-byte hashes of the KV blocks the replica caches"),
+    KeySpec("kvf:replica:<replica_id>:resync", "set", f"{RESYNC_STAGING_TTL_S:g} s", "engine", "engine",
+            "staging set of a full resync, renamed onto :blocks when complete"),
+    KeySpec("kvf:name:<replica_name>", "string", "heartbeat TTL, refreshed with it", "engine", "engine",
+            "current replica id (name#epoch) of a replica name"),
+    KeySpec("kvf:models", "set", "none", "engine, operator", "gateway, operator", "model names"),
+    KeySpec("kvf:model:<model>:replicas", "set", "none; dead ids pruned on read", "engine",
+            "gateway, operator", "replica ids of the model"),
+    KeySpec("kvf:model:<model>:config", "string", "none", "operator", "gateway, operator",
+            "JSON schemas.ModelConfig (routing policy, idle sleep, allowed tenants)"),
+    KeySpec("kvf:model:<model>:activity", "string", "none", "gateway", "operator",
+            "unix time (float s) of the model's last request"),
+    KeySpec("kvf:model:<model>:wake_lock", "string", f"PX {WAKE_LOCK_TTL_MS} ms", "gateway", "gateway",
+            "token of the holder of the one wake in progress"),
+    KeySpec("kvf:model:<model>:tokenizers", "set", "none", "engine", "operator (purge)",
+            "tokenizer revisions published for the model"),
+    KeySpec("kvf:model:<model>:tokenizer:<rev>", "hash", "none", "engine", "gateway",
+            "tokenizer file name -> bytes; rev = SHA-256 of the files"),
+    KeySpec("kvf:tenants", "set", "none", "operator", "gateway, operator", "tenant names"),
+    KeySpec("kvf:tenant:<tenant>", "string", "none", "operator", "gateway", "JSON schemas.TenantRecord"),
+    KeySpec("kvf:tenant:<tenant>:keys", "hash", "none", "operator", "operator",
+            "API key id -> SHA-256 hex of the key"),
+    KeySpec("kvf:apikey:<sha256_hex>", "string", "none", "operator", "gateway",
+            "tenant name owning the API key with this SHA-256"),
+    KeySpec("kvf:ratelimit:<tenant>:<minute>", "hash", f"{RATELIMIT_TTL_S} s", "gateway", "gateway",
+            "{requests, tokens} the tenant used in that minute"),
+    KeySpec("kvf:inflight:replica:<replica_id>", "string", f"{INFLIGHT_TTL_S} s, refreshed on change",
+            "gateway", "gateway", "requests in flight to the replica"),
+    KeySpec("kvf:inflight:tenant:<tenant>", "string", f"{INFLIGHT_TTL_S} s, refreshed on change", "gateway",
+            "gateway", "the tenant's requests in flight"),
+)  # fmt: skip
+
+_SPEC_REGEXES = [(spec, spec.regex()) for spec in KEY_SPECS]
+
+
+def spec_for(key: str | bytes) -> KeySpec | None:
+    """The spec describing ``key``, or None if kvfleet never writes such a key."""
+    if isinstance(key, bytes):
+        try:
+            key = key.decode()
+        except UnicodeDecodeError:
+            return None
+    for spec, rx in _SPEC_REGEXES:
+        if rx.fullmatch(key):
+            return spec
+    return None
+
+
+def markdown_table() -> str:
+    """The key table as Markdown (docs/REDIS.md embeds it; a test keeps the two in sync)."""
+    lines = ["| key | type | TTL | writer | readers | content |", "|---|---|---|---|---|---|"]
+    for s in KEY_SPECS:
+        lines.append(f"| `{s.pattern}` | {s.type} | {s.ttl} | {s.writer} | {s.readers} | {s.content} |")
+    return "\n".join(lines)

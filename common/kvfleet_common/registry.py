@@ -1,0 +1,851 @@
+"""Operations over the Redis contract (``redis_keys``), for engine, gateway and operator.
+
+``Registry`` wraps a sync ``redis.Redis`` (the engine's presence thread, scripts, tests) and
+``AsyncRegistry`` a ``redis.asyncio.Redis`` (gateway, operator); both offer the same methods, the
+async ones returning awaitables. Each operation is written once, as a generator that yields
+*round trips* (one pipeline or one Lua script call) and receives their replies, so the two classes
+only differ in how they run a round trip. Pure logic (hashing revisions, counting leading matches,
+encoding events) lives in plain functions tested without Redis.
+
+Invariants kept here:
+- a replica's heartbeat hash, its block set and its name record expire together (one TTL,
+  refreshed by every heartbeat); everything a replica writes vanishes if it dies;
+- the block set changes only through scripts that first check the heartbeat exists and that the
+  events continue the sequence the index already reflects (``kv_seq_applied``); otherwise the
+  writer is told to resync, so the index is either exact or known to be behind;
+- work proportional to a large set never runs as one blocking command: sets are deleted with
+  ``UNLINK`` (freed in the background) and uploaded in chunks.
+
+Scripts build some key names from set members, so this targets standalone Redis (or Sentinel),
+not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+import redis.asyncio
+import redis.exceptions
+
+from kvfleet_common import redis_keys as keys
+from kvfleet_common.schemas import (
+    Heartbeat,
+    ModelConfig,
+    TenantRecord,
+    decode_model_config,
+    decode_tenant,
+    encode_json,
+)
+
+HASH_BYTES = 16
+EVENT_BATCH = 1000  # events per apply call: bounds the time one script holds Redis
+UPLOAD_CHUNK = 1000  # members per SADD while uploading a resync
+MATCH_CHUNK = 128  # hashes per SMISMEMBER inside prefix_match (stops at the first miss)
+
+KVEvent = tuple[str, bytes | None]  # ("stored", h) | ("removed", h) | ("cleared", None)
+
+
+class RegistryError(Exception):
+    """An operation was refused by the contract (e.g. unknown tenant, key owned by another tenant)."""
+
+
+class SupersededError(RegistryError):
+    """A newer boot epoch of the same replica name holds the name; this replica must stop publishing."""
+
+
+# ---- pure helpers -------------------------------------------------------------------------------
+
+
+def tokenizer_revision(files: Mapping[str, bytes]) -> str:
+    """SHA-256 over the files, sorted by name, each name and body length-prefixed (unambiguous)."""
+    if not files:
+        raise ValueError("a tokenizer needs at least one file")
+    h = hashlib.sha256()
+    for name in sorted(files):
+        body = files[name]
+        if not isinstance(body, bytes | bytearray):
+            raise TypeError(f"tokenizer file {name!r} must be bytes, got {type(body).__name__}")
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"invalid tokenizer file name {name!r}")
+        raw = name.encode()
+        h.update(len(raw).to_bytes(8, "little") + raw + len(body).to_bytes(8, "little"))
+        h.update(body)
+    return h.hexdigest()
+
+
+def encode_kv_events(events: Iterable[KVEvent]) -> list[bytes]:
+    """Flatten events to the apply script's argument pairs (op letter, hash); ValueError if malformed."""
+    out: list[bytes] = []
+    for event in events:
+        kind, h = event
+        if kind == "cleared":
+            out += [b"c", b""]
+            continue
+        if kind not in ("stored", "removed"):
+            raise ValueError(f"unknown KV event kind {kind!r}")
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise ValueError(f"KV event {kind!r} needs a {HASH_BYTES}-byte block hash, got {h!r}")
+        out += [b"s" if kind == "stored" else b"r", h]
+    return out
+
+
+def leading_matches(flags: Sequence[int]) -> int:
+    """How many leading entries are truthy: the prefix a replica holds (a gap ends the match)."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+def api_key_id(sha256_hex: str) -> str:
+    """Stable id of an API key: re-adding the same key is idempotent, and the id reveals nothing new."""
+    return "k" + keys.check_sha256_hex(sha256_hex)[:16]
+
+
+def _check_hashes(hashes: Iterable[bytes]) -> list[bytes]:
+    out = list(hashes)
+    for h in out:
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes, got {h!r}")
+    return out
+
+
+def _text(v: bytes | str | None) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+# ---- Lua ----------------------------------------------------------------------------------------
+
+_EPOCH = "local function epoch(id) return tonumber(string.match(id, '#(%d+)$')) end\n"
+
+# KEYS: heartbeat, blocks, name, model replicas, models. ARGV: ttl_ms, replica id, model, epoch, field/value...
+# -> 1 heartbeat refreshed, 0 heartbeat (re)created (the index may be gone: resync), -1 superseded.
+_HEARTBEAT = (
+    _EPOCH
+    + """
+local cur = redis.call('GET', KEYS[3])
+if cur and cur ~= ARGV[2] and (epoch(cur) or 0) > tonumber(ARGV[4]) then return -1 end
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[2])
+redis.call('SADD', KEYS[5], ARGV[3])
+return existed
+"""
+)
+
+# KEYS: name. ARGV: new replica id, its epoch, ttl_ms, key prefix.
+# -> {0, previous id or ''} claimed; {-1, holder} a newer epoch holds the name.
+_CLAIM = (
+    _EPOCH
+    + """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then
+  if (epoch(cur) or 0) > tonumber(ARGV[2]) then return {-1, cur} end
+  local hb = ARGV[4] .. 'replica:' .. cur
+  local model = redis.call('HGET', hb, 'model')
+  if model then redis.call('SREM', ARGV[4] .. 'model:' .. model .. ':replicas', cur) end
+  redis.call('UNLINK', hb, hb .. ':blocks', hb .. ':resync')
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+if cur == ARGV[1] then return {0, ''} end
+return {0, cur or ''}
+"""
+)
+
+# KEYS: heartbeat, blocks, resync, name. ARGV: replica id, key prefix. -> 1 if it was registered.
+_DEREGISTER = """
+local model = redis.call('HGET', KEYS[1], 'model')
+if model then redis.call('SREM', ARGV[2] .. 'model:' .. model .. ':replicas', ARGV[1]) end
+local n = redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if model then return 1 end
+return 0
+"""
+
+# KEYS: heartbeat, blocks. ARGV: first seq (or -1 = unchecked), event count, (op, hash)...
+# -> {1, seq} applied; {0, seq} already applied (a retried batch); {-1, 0} no heartbeat; {-2, seq} gap.
+_APPLY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+local applied = tonumber(redis.call('HGET', KEYS[1], 'kv_seq_applied') or '0')
+local first = tonumber(ARGV[1])
+local count = tonumber(ARGV[2])
+if first < 0 then first = applied + 1 end
+local last = first + count - 1
+if applied >= last then return {0, applied} end
+if applied ~= first - 1 then return {-2, applied} end
+for i = 3, #ARGV, 2 do
+  local op = ARGV[i]
+  if op == 's' then redis.call('SADD', KEYS[2], ARGV[i + 1])
+  elseif op == 'r' then redis.call('SREM', KEYS[2], ARGV[i + 1])
+  else redis.call('UNLINK', KEYS[2]) end
+end
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl > 0 then redis.call('PEXPIRE', KEYS[2], pttl) end
+redis.call('HSET', KEYS[1], 'kv_seq_applied', last)
+return {1, last}
+"""
+
+# KEYS: heartbeat, blocks, resync. ARGV: seq ('' = keep). -> {1, seq} replaced; {-1, 0} no heartbeat.
+_REPLACE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('UNLINK', KEYS[3])
+  return {-1, 0}
+end
+redis.call('UNLINK', KEYS[2])
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('RENAME', KEYS[3], KEYS[2])
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl > 0 then redis.call('PEXPIRE', KEYS[2], pttl) end
+end
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], 'kv_seq_applied', ARGV[1]) end
+return {1, tonumber(redis.call('HGET', KEYS[1], 'kv_seq_applied') or '0')}
+"""
+
+# KEYS: model replicas. ARGV: key prefix. -> list of HGETALL replies of live replicas; prunes dead ids.
+_LIVE = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hb = redis.call('HGETALL', ARGV[1] .. 'replica:' .. id)
+  if #hb == 0 then redis.call('SREM', KEYS[1], id) else out[#out + 1] = hb end
+end
+return out
+"""
+
+# KEYS: the replicas' block sets, or (ARGV[1] == 'model') the model's replica set.
+# ARGV: mode, key prefix, chunk, hash... -> {ids or {}, counts}: leading hashes each replica holds.
+_PREFIX_MATCH = """
+local ids, sets = {}, {}
+if ARGV[1] == 'model' then
+  ids = redis.call('SMEMBERS', KEYS[1])
+  for i, id in ipairs(ids) do sets[i] = ARGV[2] .. 'replica:' .. id .. ':blocks' end
+else
+  sets = KEYS
+end
+local chunk = tonumber(ARGV[3])
+local counts = {}
+for i, set in ipairs(sets) do
+  local n, pos, done = 0, 4, false
+  while pos <= #ARGV and not done do
+    local last = math.min(pos + chunk - 1, #ARGV)
+    local flags = redis.call('SMISMEMBER', set, unpack(ARGV, pos, last))
+    for _, f in ipairs(flags) do
+      if f == 1 then n = n + 1 else done = true; break end
+    end
+    pos = last + 1
+  end
+  counts[i] = n
+end
+return {ids, counts}
+"""
+
+# KEYS: tenant, tenant keys, api key. ARGV: tenant, sha256, key id. -> 0 ok; -1 no tenant; -2 other owner.
+_ADD_KEY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local owner = redis.call('GET', KEYS[3])
+if owner and owner ~= ARGV[1] then return -2 end
+redis.call('SET', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[2])
+return 0
+"""
+
+# KEYS: tenant keys. ARGV: tenant, key id, key prefix. -> 1 removed, 0 unknown id.
+_REMOVE_KEY = """
+local h = redis.call('HGET', KEYS[1], ARGV[2])
+if not h then return 0 end
+local k = ARGV[3] .. 'apikey:' .. h
+if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
+redis.call('HDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: api key. ARGV: key prefix. -> tenant JSON or nil.
+_TENANT_FOR_KEY = """
+local name = redis.call('GET', KEYS[1])
+if not name then return false end
+return redis.call('GET', ARGV[1] .. 'tenant:' .. name)
+"""
+
+# KEYS: tenant, tenant keys, tenants. ARGV: tenant, key prefix. -> 1 if the tenant existed.
+_DELETE_TENANT = """
+for _, h in ipairs(redis.call('HVALS', KEYS[2])) do
+  local k = ARGV[2] .. 'apikey:' .. h
+  if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
+end
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+return existed
+"""
+
+# KEYS: model replicas, models, config, activity, wake lock, tokenizers. ARGV: model, key prefix.
+_PURGE_MODEL = """
+local p = ARGV[2]
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hb = p .. 'replica:' .. id
+  redis.call('UNLINK', hb, hb .. ':blocks', hb .. ':resync', p .. 'inflight:replica:' .. id)
+  local name = string.match(id, '^(.*)#%d+$')
+  if name and redis.call('GET', p .. 'name:' .. name) == id then redis.call('DEL', p .. 'name:' .. name) end
+end
+for _, rev in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+  redis.call('UNLINK', p .. 'model:' .. ARGV[1] .. ':tokenizer:' .. rev)
+end
+redis.call('UNLINK', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: lock. ARGV: holder. -> 1 released, 0 not held by holder.
+_RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+HEARTBEAT, CLAIM, DEREGISTER, APPLY, REPLACE = map(
+    Script, (_HEARTBEAT, _CLAIM, _DEREGISTER, _APPLY, _REPLACE)
+)
+LIVE, PREFIX_MATCH, ADD_KEY, REMOVE_KEY = map(Script, (_LIVE, _PREFIX_MATCH, _ADD_KEY, _REMOVE_KEY))
+TENANT_FOR_KEY, DELETE_TENANT, PURGE_MODEL, RELEASE_LOCK = map(
+    Script, (_TENANT_FOR_KEY, _DELETE_TENANT, _PURGE_MODEL, _RELEASE_LOCK)
+)
+
+
+# ---- round trips ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Eval:
+    """One round trip: a Lua script (EVALSHA, falling back to EVAL once if Redis lacks it)."""
+
+    script: Script
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One round trip: commands sent as one pipeline (MULTI/EXEC when ``transaction``)."""
+
+    commands: list[tuple[Any, ...]]
+    transaction: bool = False
+
+
+Round = Eval | Batch
+Op = Generator[Round, Any, Any]  # yields round trips, receives each reply, returns the result
+
+
+def _run_sync(client: redis.Redis, op: Op) -> Any:
+    reply: Any = None
+    try:
+        while True:
+            step = op.send(reply)
+            if isinstance(step, Eval):
+                try:
+                    reply = client.evalsha(step.script.sha, len(step.keys), *step.keys, *step.args)
+                except redis.exceptions.NoScriptError:
+                    reply = client.eval(step.script.source, len(step.keys), *step.keys, *step.args)
+            elif len(step.commands) == 1 and not step.transaction:
+                reply = [client.execute_command(*step.commands[0])]
+            else:
+                pipe = client.pipeline(transaction=step.transaction)
+                for cmd in step.commands:
+                    pipe.execute_command(*cmd)
+                reply = pipe.execute()
+    except StopIteration as stop:
+        return stop.value
+
+
+async def _run_async(client: redis.asyncio.Redis, op: Op) -> Any:
+    reply: Any = None
+    try:
+        while True:
+            step = op.send(reply)
+            if isinstance(step, Eval):
+                try:
+                    reply = await client.evalsha(step.script.sha, len(step.keys), *step.keys, *step.args)
+                except redis.exceptions.NoScriptError:
+                    reply = await client.eval(step.script.source, len(step.keys), *step.keys, *step.args)
+            elif len(step.commands) == 1 and not step.transaction:
+                reply = [await client.execute_command(*step.commands[0])]
+            else:
+                pipe = client.pipeline(transaction=step.transaction)
+                for cmd in step.commands:
+                    pipe.execute_command(*cmd)
+                reply = await pipe.execute()
+    except StopIteration as stop:
+        return stop.value
+
+
+# ---- operations (generators; see the module docstring) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVApplyResult:
+    """Outcome of writing KV events or a snapshot. ``resync_needed`` tells the replica to send a full
+    snapshot: its heartbeat was missing (Redis lost data, or the replica expired) or the index's
+    sequence number does not continue where these events start (events were lost)."""
+
+    ok: bool
+    seq: int  # the index's kv_seq_applied after the call (0 when unknown)
+    reason: Literal["applied", "duplicate", "no-heartbeat", "gap"]
+
+    @property
+    def resync_needed(self) -> bool:
+        return not self.ok
+
+
+_APPLY_REASONS = {1: "applied", 0: "duplicate", -1: "no-heartbeat", -2: "gap"}
+
+
+def op_publish_heartbeat(hb: Heartbeat, ttl: float) -> Op:
+    ttl_ms = _ttl_ms(ttl)
+    _, epoch = keys.parse_replica_id(hb.replica_id)
+    args: list[Any] = [ttl_ms, hb.replica_id, hb.model, epoch]
+    for k, v in hb.to_redis_fields().items():
+        args += [k, v]
+    rid = hb.replica_id
+    status = yield Eval(
+        HEARTBEAT,
+        [keys.replica(rid), keys.replica_blocks(rid), keys.replica_name(hb.name), keys.model_replicas(hb.model),
+         keys.models()],
+        args,
+    )  # fmt: skip
+    if status == -1:
+        raise SupersededError(f"a newer epoch of replica name {hb.name!r} holds the name; {rid} must stop")
+    return bool(status)
+
+
+def op_claim_name(name: str, replica_id: str, ttl: float) -> Op:
+    rid_name, epoch = keys.parse_replica_id(replica_id)
+    if rid_name != name:
+        raise ValueError(f"replica id {replica_id!r} does not belong to name {name!r}")
+    status, previous = yield Eval(
+        CLAIM, [keys.replica_name(name)], [replica_id, epoch, _ttl_ms(ttl), keys.PREFIX]
+    )
+    previous = _text(previous)
+    if status == -1:
+        raise SupersededError(f"replica name {name!r} is held by newer epoch {previous}")
+    return previous or None
+
+
+def op_deregister(replica_id: str) -> Op:
+    name, _ = keys.parse_replica_id(replica_id)
+    rid = replica_id
+    existed = yield Eval(
+        DEREGISTER,
+        [keys.replica(rid), keys.replica_blocks(rid), keys.replica_resync(rid), keys.replica_name(name)],
+        [rid, keys.PREFIX],
+    )
+    return bool(existed)
+
+
+def op_apply_kv_events(replica_id: str, events: Sequence[KVEvent], first_seq: int | None) -> Op:
+    flat = encode_kv_events(events)
+    if first_seq is not None and first_seq < 1:
+        raise ValueError(f"sequence numbers start at 1, got first_seq={first_seq}")
+    if not events:
+        return KVApplyResult(True, 0, "duplicate")
+    rid = replica_id
+    status, seq = yield Eval(
+        APPLY,
+        [keys.replica(rid), keys.replica_blocks(rid)],
+        [-1 if first_seq is None else first_seq, len(events), *flat],
+    )
+    return KVApplyResult(status >= 0, int(seq), _APPLY_REASONS[status])  # type: ignore[arg-type]
+
+
+def op_replace_blocks(replica_id: str, hashes: Iterable[bytes], seq: int | None) -> Op:
+    hashes = _check_hashes(hashes)
+    staging = keys.replica_resync(replica_id)
+    upload: list[tuple[Any, ...]] = [("UNLINK", staging)]
+    for i in range(0, len(hashes), UPLOAD_CHUNK):
+        upload.append(("SADD", staging, *hashes[i : i + UPLOAD_CHUNK]))
+    upload.append(("PEXPIRE", staging, _ttl_ms(keys.RESYNC_STAGING_TTL_S)))
+    yield Batch(upload)
+    rid = replica_id
+    status, applied = yield Eval(
+        REPLACE, [keys.replica(rid), keys.replica_blocks(rid), staging], ["" if seq is None else seq]
+    )
+    if status == -1:
+        return KVApplyResult(False, 0, "no-heartbeat")
+    return KVApplyResult(True, int(applied), "applied")
+
+
+def op_get_heartbeat(replica_id: str) -> Op:
+    (fields,) = yield Batch([("HGETALL", keys.replica(replica_id))])
+    return Heartbeat.from_redis_fields(fields) if fields else None
+
+
+def op_live_replicas(model: str) -> Op:
+    replies = yield Eval(LIVE, [keys.model_replicas(model)], [keys.PREFIX])
+    out = []
+    for flat in replies:
+        fields = dict(zip(flat[::2], flat[1::2]))
+        out.append(Heartbeat.from_redis_fields(fields))
+    out.sort(key=lambda hb: hb.replica_id)
+    return out
+
+
+def op_prefix_match(model: str, block_hashes: Sequence[bytes], replica_ids: Sequence[str] | None) -> Op:
+    hashes = _check_hashes(block_hashes)
+    if replica_ids is not None:
+        replica_ids = list(replica_ids)
+        if not replica_ids:
+            return {}
+        if not hashes:
+            return dict.fromkeys(replica_ids, 0)
+        ids, counts = yield Eval(
+            PREFIX_MATCH,
+            [keys.replica_blocks(r) for r in replica_ids],
+            ["ids", keys.PREFIX, MATCH_CHUNK, *hashes],
+        )
+        return dict(zip(replica_ids, map(int, counts)))
+    ids, counts = yield Eval(
+        PREFIX_MATCH, [keys.model_replicas(model)], ["model", keys.PREFIX, MATCH_CHUNK, *hashes]
+    )
+    return {_text(r): int(n) for r, n in zip(ids, counts)}
+
+
+def op_list_models() -> Op:
+    (members,) = yield Batch([("SMEMBERS", keys.models())])
+    return sorted(_text(m) for m in members)
+
+
+def op_put_tenant(record: TenantRecord) -> Op:
+    yield Batch(
+        [("SET", keys.tenant(record.name), encode_json(record)), ("SADD", keys.tenants(), record.name)],
+        transaction=True,
+    )
+
+
+def op_get_tenant(name: str) -> Op:
+    (data,) = yield Batch([("GET", keys.tenant(name))])
+    return decode_tenant(data) if data is not None else None
+
+
+def op_list_tenants() -> Op:
+    (names,) = yield Batch([("SMEMBERS", keys.tenants())])
+    names = sorted(_text(n) for n in names)
+    if not names:
+        return []
+    (datas,) = yield Batch([("MGET", *(keys.tenant(n) for n in names))])
+    return [decode_tenant(d) for d in datas if d is not None]
+
+
+def op_delete_tenant(name: str) -> Op:
+    existed = yield Eval(
+        DELETE_TENANT, [keys.tenant(name), keys.tenant_keys(name), keys.tenants()], [name, keys.PREFIX]
+    )
+    return bool(existed)
+
+
+def op_add_api_key(tenant_name: str, sha256_hex: str) -> Op:
+    key_id = api_key_id(sha256_hex)
+    status = yield Eval(
+        ADD_KEY,
+        [keys.tenant(tenant_name), keys.tenant_keys(tenant_name), keys.api_key(sha256_hex)],
+        [tenant_name, sha256_hex, key_id],
+    )
+    if status == -1:
+        raise RegistryError(f"unknown tenant {tenant_name!r}: put_tenant first")
+    if status == -2:
+        raise RegistryError("this API key already belongs to another tenant")
+    return key_id
+
+
+def op_remove_api_key(tenant_name: str, key_id: str) -> Op:
+    removed = yield Eval(REMOVE_KEY, [keys.tenant_keys(tenant_name)], [tenant_name, key_id, keys.PREFIX])
+    return bool(removed)
+
+
+def op_list_api_keys(tenant_name: str) -> Op:
+    (fields,) = yield Batch([("HGETALL", keys.tenant_keys(tenant_name))])
+    return {_text(k): _text(v) for k, v in fields.items()}
+
+
+def op_tenant_for_key_hash(sha256_hex: str) -> Op:
+    data = yield Eval(TENANT_FOR_KEY, [keys.api_key(sha256_hex)], [keys.PREFIX])
+    return decode_tenant(data) if data else None
+
+
+def op_put_model_config(config: ModelConfig) -> Op:
+    yield Batch(
+        [
+            ("SET", keys.model_config(config.model), encode_json(config)),
+            ("SADD", keys.models(), config.model),
+        ],
+        transaction=True,
+    )
+
+
+def op_get_model_config(model: str) -> Op:
+    (data,) = yield Batch([("GET", keys.model_config(model))])
+    return decode_model_config(data) if data is not None else None
+
+
+def op_delete_model_config(model: str) -> Op:
+    (n,) = yield Batch([("DEL", keys.model_config(model))])
+    return bool(n)
+
+
+def op_touch_activity(model: str, now: float | None) -> Op:
+    yield Batch([("SET", keys.model_activity(model), repr(time.time() if now is None else float(now)))])
+
+
+def op_last_activity(model: str) -> Op:
+    (v,) = yield Batch([("GET", keys.model_activity(model))])
+    return float(v) if v is not None else None
+
+
+def op_purge_model(model: str) -> Op:
+    yield Eval(
+        PURGE_MODEL,
+        [keys.model_replicas(model), keys.models(), keys.model_config(model), keys.model_activity(model),
+         keys.model_wake_lock(model), keys.model_tokenizers(model)],
+        [model, keys.PREFIX],
+    )  # fmt: skip
+
+
+def op_publish_tokenizer(model: str, files: Mapping[str, bytes]) -> Op:
+    revision = tokenizer_revision(files)
+    mapping: list[Any] = []
+    for name, body in sorted(files.items()):
+        mapping += [name, bytes(body)]
+    yield Batch(
+        [
+            ("HSET", keys.model_tokenizer(model, revision), *mapping),
+            ("SADD", keys.model_tokenizers(model), revision),
+        ],
+        transaction=True,
+    )
+    return revision
+
+
+def op_fetch_tokenizer(model: str, revision: str) -> Op:
+    (fields,) = yield Batch([("HGETALL", keys.model_tokenizer(model, revision))])
+    if not fields:
+        return None
+    files = {_text(k): bytes(v) for k, v in fields.items()}
+    if tokenizer_revision(files) != revision:
+        raise RegistryError(f"tokenizer {model}@{revision[:12]} in Redis does not match its revision")
+    return files
+
+
+def op_acquire_wake_lock(model: str, holder: str, ttl_ms: int) -> Op:
+    (ok,) = yield Batch([("SET", keys.model_wake_lock(model), holder, "NX", "PX", int(ttl_ms))])
+    return bool(ok)
+
+
+def op_release_wake_lock(model: str, holder: str) -> Op:
+    n = yield Eval(RELEASE_LOCK, [keys.model_wake_lock(model)], [holder])
+    return bool(n)
+
+
+def op_record_usage(tenant_name: str, requests: int, tokens: int, now: float | None) -> Op:
+    minute = int((time.time() if now is None else now) // keys.RATELIMIT_WINDOW_S)
+    key = keys.ratelimit(tenant_name, minute)
+    req, tok, _ = yield Batch(
+        [("HINCRBY", key, "requests", int(requests)), ("HINCRBY", key, "tokens", int(tokens)),
+         ("EXPIRE", key, keys.RATELIMIT_TTL_S)],
+        transaction=True,
+    )  # fmt: skip
+    return int(req), int(tok)
+
+
+def _ttl_ms(ttl: float) -> int:
+    if not ttl > 0:
+        raise ValueError(f"TTL must be positive, got {ttl}")
+    return max(1, round(ttl * 1000))
+
+
+# ---- the two front ends --------------------------------------------------------------------------
+
+
+class _Registry:
+    """Shared method bodies. In ``AsyncRegistry`` every method returns an awaitable of the same result."""
+
+    def _run(self, op: Op) -> Any:
+        raise NotImplementedError
+
+    # replica side
+    def publish_heartbeat(self, hb: Heartbeat, ttl: float = keys.HEARTBEAT_TTL_S) -> bool:
+        """Write the heartbeat and refresh the replica's TTLs. Returns False if the heartbeat key did not
+        exist before (first beat, or Redis lost it: the replica should resync its block index).
+        Raises SupersededError if a newer boot epoch of the same name is registered."""
+        return self._run(op_publish_heartbeat(hb, ttl))
+
+    def claim_name(self, name: str, new_replica_id: str, ttl: float = keys.HEARTBEAT_TTL_S) -> str | None:
+        """Make ``new_replica_id`` the current epoch of ``name``, deleting what the previous epoch owned
+        (heartbeat, block index, set membership). Returns the previous id, if any.
+        Raises SupersededError if the name is held by a newer epoch."""
+        return self._run(op_claim_name(name, new_replica_id, ttl))
+
+    def deregister_replica(self, replica_id: str) -> bool:
+        """Remove the replica's heartbeat, blocks and name record now. Returns whether it was registered."""
+        return self._run(op_deregister(replica_id))
+
+    def apply_kv_events(
+        self, replica_id: str, events: Sequence[KVEvent], first_seq: int | None = None
+    ) -> KVApplyResult:
+        """Apply ordered events atomically. ``first_seq`` numbers the first event (the rest follow);
+        with it the index refuses events that do not continue its ``kv_seq_applied`` (-> resync) and
+        ignores a batch it already applied. Without it events are appended unchecked."""
+        return self._run(op_apply_kv_events(replica_id, events, first_seq))
+
+    def replace_replica_blocks(
+        self, replica_id: str, hashes: Iterable[bytes], seq: int | None = None
+    ) -> KVApplyResult:
+        """Full resync: the block index becomes exactly ``hashes`` (uploaded in chunks, swapped in
+        atomically) and ``kv_seq_applied`` becomes ``seq``."""
+        return self._run(op_replace_blocks(replica_id, hashes, seq))
+
+    def get_heartbeat(self, replica_id: str) -> Heartbeat | None:
+        return self._run(op_get_heartbeat(replica_id))
+
+    # gateway side
+    def live_replicas(self, model: str) -> list[Heartbeat]:
+        """Heartbeats of the model's replicas within their TTL (sorted by id); prunes expired ids."""
+        return self._run(op_live_replicas(model))
+
+    def prefix_match(
+        self, model: str, block_hashes: Sequence[bytes], replica_ids: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """replica id -> number of leading ``block_hashes`` it caches, in one round trip.
+        ``replica_ids=None`` checks every registered replica of ``model``."""
+        return self._run(op_prefix_match(model, block_hashes, replica_ids))
+
+    def list_models(self) -> list[str]:
+        return self._run(op_list_models())
+
+    # tenants
+    def put_tenant(self, record: TenantRecord) -> None:
+        return self._run(op_put_tenant(record))
+
+    def get_tenant(self, name: str) -> TenantRecord | None:
+        return self._run(op_get_tenant(name))
+
+    def list_tenants(self) -> list[TenantRecord]:
+        return self._run(op_list_tenants())
+
+    def delete_tenant(self, name: str) -> bool:
+        """Delete the tenant and every API key lookup it owns. Returns whether it existed."""
+        return self._run(op_delete_tenant(name))
+
+    def add_api_key(self, tenant_name: str, sha256_hex: str) -> str:
+        """Register the SHA-256 of an API key for the tenant; returns its key id (stable per key).
+        RegistryError if the tenant is unknown or the key belongs to another tenant."""
+        return self._run(op_add_api_key(tenant_name, sha256_hex))
+
+    def remove_api_key(self, tenant_name: str, key_id: str) -> bool:
+        return self._run(op_remove_api_key(tenant_name, key_id))
+
+    def list_api_keys(self, tenant_name: str) -> dict[str, str]:
+        """key id -> SHA-256 hex of the tenant's API keys."""
+        return self._run(op_list_api_keys(tenant_name))
+
+    def tenant_for_key_hash(self, sha256_hex: str) -> TenantRecord | None:
+        """The tenant owning the API key with this SHA-256 (one round trip), or None."""
+        return self._run(op_tenant_for_key_hash(sha256_hex))
+
+    # models
+    def put_model_config(self, config: ModelConfig) -> None:
+        return self._run(op_put_model_config(config))
+
+    def get_model_config(self, model: str) -> ModelConfig | None:
+        return self._run(op_get_model_config(model))
+
+    def delete_model_config(self, model: str) -> bool:
+        return self._run(op_delete_model_config(model))
+
+    def touch_activity(self, model: str, now: float | None = None) -> None:
+        return self._run(op_touch_activity(model, now))
+
+    def last_activity(self, model: str) -> float | None:
+        return self._run(op_last_activity(model))
+
+    def purge_model(self, model: str) -> None:
+        """Delete everything about the model: replicas (heartbeats, block indexes, names, in-flight
+        counters), config, activity, wake lock and tokenizers. Replicas still running re-register."""
+        return self._run(op_purge_model(model))
+
+    def publish_tokenizer(self, model: str, files: Mapping[str, bytes]) -> str:
+        """Store tokenizer files; returns their revision (SHA-256 of the contents, see tokenizer_revision)."""
+        return self._run(op_publish_tokenizer(model, files))
+
+    def fetch_tokenizer(self, model: str, revision: str) -> dict[str, bytes] | None:
+        return self._run(op_fetch_tokenizer(model, revision))
+
+    def acquire_wake_lock(self, model: str, holder: str, ttl_ms: int = keys.WAKE_LOCK_TTL_MS) -> bool:
+        """Take the model's wake lock if free (SET NX PX); True if ``holder`` now holds it."""
+        return self._run(op_acquire_wake_lock(model, holder, ttl_ms))
+
+    def release_wake_lock(self, model: str, holder: str) -> bool:
+        """Release the lock only if ``holder`` still holds it (it may have expired and been retaken)."""
+        return self._run(op_release_wake_lock(model, holder))
+
+    def record_usage(
+        self, tenant_name: str, requests: int, tokens: int, now: float | None = None
+    ) -> tuple[int, int]:
+        """Add to the tenant's current-minute counters; returns the minute's (requests, tokens) totals."""
+        return self._run(op_record_usage(tenant_name, requests, tokens, now))
+
+
+def _check_binary(client: Any) -> None:
+    kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("decode_responses"):
+        raise ValueError("the registry needs a Redis client with decode_responses=False (hashes are binary)")
+
+
+class Registry(_Registry):
+    """Sync registry over ``redis.Redis`` (decode_responses must be False)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        _check_binary(client)
+        self.client = client
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> Registry:
+        return cls(redis.Redis.from_url(url, **kwargs))
+
+    def _run(self, op: Op) -> Any:
+        return _run_sync(self.client, op)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncRegistry(_Registry):
+    """Async registry over ``redis.asyncio.Redis``: the same methods, each returning an awaitable."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        _check_binary(client)
+        self.client = client
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> AsyncRegistry:
+        return cls(redis.asyncio.Redis.from_url(url, **kwargs))
+
+    def _run(self, op: Op) -> Awaitable[Any]:
+        return _run_async(self.client, op)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
