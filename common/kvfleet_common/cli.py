@@ -20,8 +20,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "engine": (
         "kvfleet_engine.cli",
         "engine_main",
-        "engine commands (generate; serve comes with the engine server)",
+        "engine commands: serve (one OpenAI-compatible replica), generate",
     ),
+    "operator": ("kvfleet_operator.cli", "main", "run the Kubernetes operator (kopf); also: crds, render"),
 }
 
 

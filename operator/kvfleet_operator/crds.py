@@ -1,0 +1,461 @@
+"""The kvfleet CustomResourceDefinitions, built in Python: the one source for `crds/*.yaml`,
+the Helm chart's `crds/` and the operator's own admission-equivalent validation.
+
+`crds/` and `charts/kvfleet/crds/` hold the rendered YAML (`kvfleet operator crds --out DIR` writes it);
+a test keeps them identical to what this module builds.
+
+Every CEL rule (`x-kubernetes-validations`) here has a Python twin in `validation.py`, because clusters
+evaluate CEL but the test emulator and `jsonschema` do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "kvfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+MODEL_KIND = "InferenceModel"
+MODEL_PLURAL = "inferencemodels"
+TENANT_KIND = "Tenant"
+TENANT_PLURAL = "tenants"
+
+MAX_ACCELERATORS_PER_POD = 8
+MODEL_URI_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|file:///.*)$"
+)
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ACCELERATORS = ("nvidia", "cpu")
+PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "Degraded", "Failed", "Terminating")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sleeping")
+
+
+def _int(
+    minimum: int | None = None, maximum: int | None = None, default: int | None = None, **kw: Any
+) -> dict:
+    schema: dict[str, Any] = {"type": "integer", **kw}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if maximum is not None:
+        schema["maximum"] = maximum
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _str(description: str, **kw: Any) -> dict:
+    return {"type": "string", "description": description, **kw}
+
+
+def _quantity(description: str) -> dict:
+    """A Kubernetes resource.Quantity (int or string), shaped as structural schemas require."""
+    return {
+        "description": description,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": QUANTITY_PATTERN,
+        "x-kubernetes-int-or-string": True,
+    }
+
+
+def _free_object(description: str) -> dict:
+    """An object whose schema belongs to Kubernetes core types (kept as-is, validated by the API server
+    when the operator copies it into a pod)."""
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _conditions_schema() -> dict:
+    return {
+        "type": "array",
+        "description": "Latest observations of the object's state (metav1.Condition).",
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+        "maxItems": 16,
+        "items": {
+            "type": "object",
+            "required": ["type", "status"],
+            "properties": {
+                "type": _str("Condition type.", maxLength=64),
+                "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                "reason": _str("CamelCase machine-readable reason.", maxLength=128),
+                "message": _str("Human-readable details.", maxLength=4096),
+                "lastTransitionTime": {"type": "string", "format": "date-time"},
+                "observedGeneration": _int(minimum=0, format="int64"),
+            },
+        },
+    }
+
+
+def _engine_schema() -> dict:
+    return {
+        "type": "object",
+        "description": "How each replica's `kvfleet engine serve` runs.",
+        "default": {},
+        "properties": {
+            "image": _str("Engine container image (defaults to the operator's --engine-image)."),
+            "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+            "tensorParallelSize": _int(1, MAX_ACCELERATORS_PER_POD, 1, description="TP ranks per replica."),
+            "pipelineParallelSize": _int(
+                1, MAX_ACCELERATORS_PER_POD, 1, description="PP stages per replica."
+            ),
+            "dtype": {"type": "string", "enum": list(DTYPES), "default": "auto"},
+            "maxModelLen": _int(1, description="Longest prompt + output in tokens (default: the model's)."),
+            "maxNumSeqs": _int(1, 65536, description="Most sequences in one scheduler step."),
+            "maxNumBatchedTokens": _int(1, description="Token budget of one scheduler step."),
+            "blockSize": _int(1, 256, 16, description="Tokens per KV-cache block (the prefix-cache unit)."),
+            "kvCacheMemory": _quantity(
+                "KV-cache size as a quantity (e.g. 8Gi); excludes gpuMemoryUtilization."
+            ),
+            "gpuMemoryUtilization": {
+                "type": "number",
+                "description": "Fraction of GPU memory for weights + KV cache; excludes kvCacheMemory.",
+                "exclusiveMinimum": True,
+                "minimum": 0,
+                "maximum": 1,
+            },
+            "enablePrefixCaching": {"type": "boolean", "default": True},
+            "seed": _int(0, description="Sampling seed of the engine."),
+            "extraArgs": {
+                "type": "array",
+                "description": "Appended verbatim to the engine's command line.",
+                "maxItems": 64,
+                "items": {"type": "string", "maxLength": 1024},
+            },
+            "env": {
+                "type": "array",
+                "description": "Extra environment variables (core/v1 EnvVar).",
+                "maxItems": 64,
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string", "minLength": 1}},
+                    "x-kubernetes-preserve-unknown-fields": True,
+                },
+            },
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "!(has(self.kvCacheMemory) && has(self.gpuMemoryUtilization))",
+                "message": "kvCacheMemory and gpuMemoryUtilization are mutually exclusive",
+            },
+            {
+                "rule": "self.tensorParallelSize * self.pipelineParallelSize <= 8",
+                "message": "tensorParallelSize × pipelineParallelSize must be at most 8 accelerators per pod",
+            },
+            {
+                "rule": "!has(self.maxNumBatchedTokens) || !has(self.maxNumSeqs) "
+                "|| self.maxNumBatchedTokens >= self.maxNumSeqs",
+                "message": "maxNumBatchedTokens must be at least maxNumSeqs",
+            },
+        ],
+    }
+
+
+def inference_model_schema() -> dict:
+    """OpenAPI v3 (structural) schema of InferenceModel."""
+    spec = {
+        "type": "object",
+        "required": ["model"],
+        "properties": {
+            "model": {
+                "type": "object",
+                "required": ["uri"],
+                "properties": {
+                    "uri": _str(
+                        "Where the weights are: pvc://claim/path, hf://org/name[@revision] or file:///path.",
+                        pattern=MODEL_URI_PATTERN,
+                        maxLength=1024,
+                    ),
+                    "servedName": _str(
+                        "The OpenAI model id clients ask for (default: metadata.name).",
+                        minLength=1,
+                        maxLength=256,
+                        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                    ),
+                    "tokenizer": _str("Tokenizer directory or URI if not the model's.", maxLength=1024),
+                },
+            },
+            "engine": _engine_schema(),
+            "replicas": _int(0, 1024, 1, description="Data-parallel replicas (one pod each)."),
+            "accelerator": {
+                "type": "string",
+                "enum": list(ACCELERATORS),
+                "default": "nvidia",
+                "description": "nvidia: each pod requests nvidia.com/gpu = TP×PP; cpu: no GPU.",
+            },
+            "resources": {
+                "type": "object",
+                "description": "core/v1 ResourceRequirements of the engine container.",
+                "properties": {
+                    "limits": {"type": "object", "additionalProperties": _quantity("Resource limit.")},
+                    "requests": {"type": "object", "additionalProperties": _quantity("Resource request.")},
+                },
+            },
+            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "tolerations": {
+                "type": "array",
+                "items": _free_object("core/v1 Toleration."),
+            },
+            "affinity": _free_object("core/v1 Affinity."),
+            "priorityClassName": _str("PriorityClass of the engine pods.", maxLength=253),
+            "terminationGracePeriodSeconds": _int(
+                0, 86400, 120, description="How long a stopping replica may finish in-flight requests."
+            ),
+            "startupTimeoutSeconds": _int(
+                60, 86400, 1800, description="How long a replica may take to load its model."
+            ),
+            "sleep": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "idleSeconds": _int(
+                        0, description="Sleep replicas after this long without requests; 0 never.", default=0
+                    ),
+                    "level": _int(1, 2, 1, description="1: offload weights to host; 2: discard weights."),
+                },
+            },
+            "routing": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "policy": {"type": "string", "enum": list(ROUTING_POLICIES), "default": "prefix-aware"},
+                },
+            },
+            "access": {
+                "type": "object",
+                "properties": {
+                    "tenants": {
+                        "type": "array",
+                        "description": "Only these tenants may use the model (absent: every tenant whose "
+                        "model globs match).",
+                        "maxItems": 1024,
+                        "items": {"type": "string", "minLength": 1, "maxLength": 253},
+                    },
+                },
+            },
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "!(self.accelerator == 'cpu' && has(self.engine.gpuMemoryUtilization))",
+                "message": "gpuMemoryUtilization needs accelerator nvidia; size the cache with kvCacheMemory on cpu",
+            },
+        ],
+    }
+    status = {
+        "type": "object",
+        "properties": {
+            "observedGeneration": _int(0, format="int64"),
+            "phase": {"type": "string", "enum": list(PHASES)},
+            "servedName": {"type": "string"},
+            "selector": {"type": "string", "description": "Label selector of the pods (for /scale)."},
+            "replicas": _int(0),
+            "readyReplicas": _int(0),
+            "awakeReplicas": _int(0),
+            "sleepingReplicas": _int(0),
+            "lastActivity": {"type": "string", "format": "date-time"},
+            "conditions": _conditions_schema(),
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+def tenant_schema() -> dict:
+    """OpenAPI v3 (structural) schema of Tenant."""
+    spec = {
+        "type": "object",
+        "required": ["apiKeySecretRef"],
+        "properties": {
+            "apiKeySecretRef": {
+                "type": "object",
+                "required": ["name"],
+                "description": "The Secret holding the tenant's API key; only its SHA-256 reaches Redis.",
+                "properties": {
+                    "name": _str("Secret name.", minLength=1, maxLength=253),
+                    "namespace": _str("Secret namespace (default: the operator's namespace).", maxLength=63),
+                    "key": _str("Key inside the Secret.", default="apiKey", minLength=1, maxLength=253),
+                },
+            },
+            "models": {
+                "type": "array",
+                "description": "Glob patterns of the served model names this tenant may use.",
+                "default": ["*"],
+                "maxItems": 256,
+                "items": {"type": "string", "minLength": 1, "maxLength": 256},
+            },
+            "limits": {
+                "type": "object",
+                "default": {},
+                "description": "0 or absent: unlimited.",
+                "properties": {
+                    "requestsPerMinute": _int(0),
+                    "tokensPerMinute": _int(0),
+                    "maxConcurrent": _int(0),
+                },
+            },
+            "priority": _int(0, 1000, 0, description="Higher is served first under contention."),
+            "cacheSalt": _str(
+                "Isolates this tenant's prefix cache (empty: shared with every unsalted tenant).",
+                maxLength=256,
+            ),
+        },
+    }
+    status = {
+        "type": "object",
+        "properties": {
+            "observedGeneration": _int(0, format="int64"),
+            "phase": {"type": "string", "enum": ["Active", "Failed"]},
+            "conditions": _conditions_schema(),
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+def _crd(
+    *,
+    kind: str,
+    plural: str,
+    singular: str,
+    scope: str,
+    short_names: list[str],
+    schema: dict,
+    columns: list[dict],
+    subresources: dict,
+) -> dict:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{plural}.{GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "kvfleet"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": scope,
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": short_names,
+                "categories": ["kvfleet"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": subresources,
+                    "additionalPrinterColumns": columns,
+                }
+            ],
+        },
+    }
+
+
+def inference_model_crd() -> dict:
+    return _crd(
+        kind=MODEL_KIND,
+        plural=MODEL_PLURAL,
+        singular="inferencemodel",
+        scope="Namespaced",
+        short_names=["im"],
+        schema=inference_model_schema(),
+        columns=[
+            {"name": "Model", "type": "string", "jsonPath": ".status.servedName"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            {"name": "Awake", "type": "integer", "jsonPath": ".status.awakeReplicas"},
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        subresources={
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+    )
+
+
+def tenant_crd() -> dict:
+    return _crd(
+        kind=TENANT_KIND,
+        plural=TENANT_PLURAL,
+        singular="tenant",
+        scope="Cluster",
+        short_names=["kvt"],
+        schema=tenant_schema(),
+        columns=[
+            {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        subresources={"status": {}},
+    )
+
+
+def _kopf_peering_crd(kind: str, plural: str, scope: str) -> dict:
+    """kopf's peering resource: operator replicas announce themselves in its status; only the
+    highest-priority live one acts. The schema keeps whatever kopf writes."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.kopf.dev", "labels": {"app.kubernetes.io/part-of": "kvfleet"}},
+        "spec": {
+            "group": "kopf.dev",
+            "scope": scope,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {
+                                "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def all_crds() -> dict[str, dict]:
+    """File name -> CRD, in the order they are written."""
+    return {
+        "inferencemodels.yaml": inference_model_crd(),
+        "tenants.yaml": tenant_crd(),
+        "kopf-clusterkopfpeerings.yaml": _kopf_peering_crd(
+            "ClusterKopfPeering", "clusterkopfpeerings", "Cluster"
+        ),
+        "kopf-kopfpeerings.yaml": _kopf_peering_crd("KopfPeering", "kopfpeerings", "Namespaced"),
+    }

@@ -1,0 +1,414 @@
+"""Pure builders of the Kubernetes objects an InferenceModel owns.
+
+Same ModelSpec and OperatorConfig in, same dicts out: nothing here talks to a server, so every field is
+unit-tested and validated against the Kubernetes OpenAPI schemas without a cluster.
+
+Naming: the Deployment, headless Service, ConfigMap and PodDisruptionBudget take the model's name; the
+Secret with the engine's Redis URL and admin token is ``<name>-credentials``. All carry the labels of
+`labels()` and a controller ownerReference to the InferenceModel, so deleting the model deletes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+import math
+from typing import Any
+
+from kvfleet_operator import crds
+from kvfleet_operator.spec import ENGINE_PORT, MODEL_MOUNT, ModelSpec, OperatorConfig
+
+MODEL_LABEL = "kvfleet.io/model"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGER = "kvfleet-operator"
+CONFIG_HASH_ANNOTATION = "kvfleet.io/config-hash"
+CREDENTIALS_REDIS_KEY = "redis-url"
+CREDENTIALS_TOKEN_KEY = "admin-token"
+CONFIG_MOUNT = "/etc/kvfleet"
+STARTUP_PROBE_PERIOD = 10
+HEALTH_PATH = "/health"
+
+
+def selector_labels(model: ModelSpec) -> dict[str, str]:
+    """The labels that select a model's engine pods; immutable for the Deployment's life."""
+    return {MODEL_LABEL: model.name, COMPONENT_LABEL: "engine"}
+
+
+def labels(model: ModelSpec) -> dict[str, str]:
+    return {
+        **selector_labels(model),
+        "app.kubernetes.io/name": "kvfleet-engine",
+        "app.kubernetes.io/instance": model.name,
+        "app.kubernetes.io/part-of": "kvfleet",
+        "app.kubernetes.io/managed-by": MANAGER,
+    }
+
+
+def selector_string(model: ModelSpec) -> str:
+    """`status.selector` for the /scale subresource (what `kubectl scale` and HPAs read)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(model).items()))
+
+
+def owner_reference(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": crds.API_VERSION,
+        "kind": crds.MODEL_KIND,
+        "name": model.name,
+        "uid": model.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(model: ModelSpec, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or model.name,
+        "namespace": model.namespace,
+        "labels": labels(model),
+        "ownerReferences": [owner_reference(model)],
+    }
+
+
+def credentials_secret_name(model: ModelSpec) -> str:
+    return f"{model.name}-credentials"
+
+
+def engine_image(model: ModelSpec, config: OperatorConfig) -> str:
+    if model.engine.image:
+        return model.engine.image
+    if model.accelerator == "cpu" and config.engine_image_cpu:
+        return config.engine_image_cpu
+    return config.engine_image
+
+
+def engine_args(model: ModelSpec) -> list[str]:
+    """`kvfleet engine serve` arguments for one replica. The Redis URL and admin token travel in the
+    environment (from the credentials Secret), never on the command line."""
+    e = model.engine
+    args = [
+        "--model",
+        model.source.model_dir,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        model.served_name,
+        "--dtype",
+        e.dtype,
+        "--device",
+        "cuda" if model.accelerator == "nvidia" else "cpu",
+        "--block-size",
+        str(e.block_size),
+        "--tensor-parallel-size",
+        str(e.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(e.pipeline_parallel_size),
+    ]
+    optional = [
+        ("--max-num-seqs", e.max_num_seqs),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens),
+        ("--max-model-len", e.max_model_len),
+        ("--kv-cache-memory-bytes", e.kv_cache_memory_bytes),
+        ("--gpu-memory-utilization", e.gpu_memory_utilization),
+        ("--seed", e.seed),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, str(value)]
+    if not e.enable_prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    return args + list(e.extra_args)
+
+
+def _engine_env(model: ModelSpec) -> list[dict[str, Any]]:
+    secret = credentials_secret_name(model)
+    return [
+        {
+            "name": "KVFLEET_REDIS_URL",
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": CREDENTIALS_REDIS_KEY}},
+        },
+        {
+            "name": "KVFLEET_ADMIN_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": CREDENTIALS_TOKEN_KEY}},
+        },
+        {"name": "KVFLEET_REPLICA_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "KVFLEET_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # $(VAR) references are expanded by the kubelet from variables defined earlier in the list.
+        {"name": "KVFLEET_BASE_URL", "value": f"http://$(KVFLEET_POD_IP):{ENGINE_PORT}"},
+        {"name": "KVFLEET_MODEL", "value": model.name},
+        {"name": "KVFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {
+            "name": "HF_HOME",
+            "value": f"{MODEL_MOUNT}/.hf-home" if model.source.scheme == "hf" else "/tmp/hf-home",
+        },
+        *copy.deepcopy(list(model.engine.env)),
+    ]
+
+
+def _resources(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    limits = dict(model.resources.get("limits", {}))  # values are scalars: a shallow copy is a full one
+    requests = dict(model.resources.get("requests", {}))
+    if model.accelerator == "nvidia":
+        # Extended resources cannot be overcommitted: request and limit must be equal.
+        gpus = model.engine.accelerators_per_pod
+        limits[config.gpu_resource] = gpus
+        requests[config.gpu_resource] = gpus
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _probes(model: ModelSpec) -> dict[str, Any]:
+    def http() -> dict[str, Any]:  # a fresh dict per probe: no shared (YAML-aliased) objects in the output
+        return {"path": HEALTH_PATH, "port": "http"}
+
+    return {
+        # Loading a large model can take many minutes; the startup probe holds the other two off until then.
+        "startupProbe": {
+            "httpGet": http(),
+            "periodSeconds": STARTUP_PROBE_PERIOD,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, math.ceil(model.startup_timeout_seconds / STARTUP_PROBE_PERIOD)),
+        },
+        "readinessProbe": {"httpGet": http(), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        # Generous: a replica busy with long prefills must not be killed for one slow answer.
+        "livenessProbe": {
+            "httpGet": http(),
+            "periodSeconds": 15,
+            "timeoutSeconds": 10,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _volumes(model: ModelSpec, config: OperatorConfig) -> tuple[list[dict], list[dict]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": model.name}},
+        # Shared memory for the TP/PP worker processes (the default 64 MiB /dev/shm is far too small).
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    source = model.source
+    if source.scheme == "pvc":
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.scheme == "hf":
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT})
+    return volumes, mounts
+
+
+def _fetch_container(model: ModelSpec, image: str, env: list[dict], mounts: list[dict]) -> dict[str, Any]:
+    """Init container that downloads an hf:// model into the pod's model volume before the engine starts."""
+    source = model.source
+    command = ["hf", "download", str(source.repo), "--local-dir", source.model_dir]
+    if source.revision:
+        command += ["--revision", source.revision]
+    container: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": image,
+        "command": command,
+        "env": copy.deepcopy(env),
+        "volumeMounts": [dict(m) for m in mounts if m["name"] == "model"],
+        "securityContext": _container_security(),
+    }
+    if model.engine.image_pull_policy:
+        container["imagePullPolicy"] = model.engine.image_pull_policy
+    return container
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _tolerations(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
+    tolerations = copy.deepcopy(list(model.tolerations))
+    if model.accelerator == "nvidia" and not any(t.get("key") == config.gpu_resource for t in tolerations):
+        # GPU node pools are commonly tainted with the resource name.
+        tolerations.append({"key": config.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def config_hash(config_map_: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config_map_["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    image = engine_image(model, config)
+    env = _engine_env(model)
+    volumes, mounts = _volumes(model, config)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "command": ["kvfleet", "engine", "serve"],
+        "args": engine_args(model),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": _resources(model, config),
+        "volumeMounts": mounts,
+        **_probes(model),
+        "securityContext": _container_security(),
+    }
+    if model.engine.image_pull_policy:
+        container["imagePullPolicy"] = model.engine.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": model.termination_grace_period_seconds,
+        # The engine never talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+    }
+    if model.source.scheme == "hf":
+        pod_spec["initContainers"] = [_fetch_container(model, image, env, mounts)]
+    if model.node_selector:
+        pod_spec["nodeSelector"] = dict(model.node_selector)
+    tolerations = _tolerations(model, config)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if model.affinity:
+        pod_spec["affinity"] = copy.deepcopy(model.affinity)
+    if model.priority_class_name:
+        pod_spec["priorityClassName"] = model.priority_class_name
+    return {
+        "metadata": {
+            "labels": {**labels(model), **config.extra_pod_labels},
+            # A changed ConfigMap rolls the pods, like a changed spec does.
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_map(model, config))},
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """One pod per data-parallel replica.
+
+    On GPUs a rollout replaces pods one at a time without surging (a surge pod would wait for a GPU that
+    the old pod holds); on CPU it surges one pod so serving capacity never dips."""
+    if model.accelerator == "nvidia":
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(model),
+        "spec": {
+            "replicas": model.replicas,
+            "selector": {"matchLabels": selector_labels(model)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "revisionHistoryLimit": 3,
+            # Progressing turns False (ProgressDeadlineExceeded) only after a replica had its full load time.
+            "progressDeadlineSeconds": model.startup_timeout_seconds + 600,
+            "template": pod_template(model, config),
+        },
+    }
+
+
+def service(model: ModelSpec) -> dict[str, Any]:
+    """Headless: gives every replica a DNS name; routing itself goes through the gateway, not the Service."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(model),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(model),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+def model_document(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """The resolved model configuration, as stored in the ConfigMap (``model.json``)."""
+    return {
+        "name": model.name,
+        "namespace": model.namespace,
+        "servedName": model.served_name,
+        "modelUri": _uri(model),
+        "tokenizer": model.tokenizer,
+        "routingPolicy": model.routing_policy,
+        "allowedTenants": None if model.allowed_tenants is None else list(model.allowed_tenants),
+        "sleep": {"idleSeconds": model.sleep_idle_seconds, "level": model.sleep_level},
+        "blockSize": model.engine.block_size,
+        "accelerator": model.accelerator,
+        "acceleratorsPerReplica": model.engine.accelerators_per_pod if model.accelerator == "nvidia" else 0,
+        "image": engine_image(model, config),
+        "engineArgs": engine_args(model),
+        "service": f"{model.name}.{model.namespace}.svc",
+        "port": ENGINE_PORT,
+    }
+
+
+def _uri(model: ModelSpec) -> str:
+    s = model.source
+    if s.scheme == "pvc":
+        return f"pvc://{s.claim}/{s.path}".rstrip("/")
+    if s.scheme == "hf":
+        return f"hf://{s.repo}" + (f"@{s.revision}" if s.revision else "")
+    return f"file://{s.path}"
+
+
+def config_map(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(model),
+        "data": {"model.json": json.dumps(model_document(model, config), indent=2, sort_keys=True) + "\n"},
+    }
+
+
+def credentials_secret(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """Per-model copy of the platform credentials (Secrets cannot be referenced across namespaces)."""
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(model, credentials_secret_name(model)),
+        "type": "Opaque",
+        "data": {
+            CREDENTIALS_REDIS_KEY: b64(config.redis_url),
+            CREDENTIALS_TOKEN_KEY: b64(config.admin_token),
+        },
+    }
+
+
+def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
+    """At most one replica voluntarily evicted at a time; crash-looping pods never block a node drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(model),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(model)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def children(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
+    """Everything the model owns, in apply order (what the pods reference comes before the Deployment)."""
+    return [
+        credentials_secret(model, config),
+        config_map(model, config),
+        service(model),
+        pod_disruption_budget(model),
+        deployment(model, config),
+    ]

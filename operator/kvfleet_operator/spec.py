@@ -1,0 +1,222 @@
+"""Typed views of the custom objects' specs (after defaulting and validation) and of the operator's own
+configuration. Pure: no Kubernetes or Redis here."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvfleet_operator.validation import SpecError, parse_bytes, validated_inference_model, validated_tenant
+
+ENGINE_PORT = 8000
+MODEL_MOUNT = "/models"
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Child objects take the model's name; the Service name must be a DNS-1035 label (<= 63), and the pods of
+# a Deployment append up to 17 characters of hashes to it.
+MAX_MODEL_NAME = 46
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a replica finds its weights. Invariant: exactly the fields of ``scheme`` are set."""
+
+    scheme: Literal["pvc", "hf", "file"]
+    path: str = ""  # pvc: path inside the claim; file: absolute path in the image/node
+    claim: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+
+    @property
+    def model_dir(self) -> str:
+        """The directory `kvfleet engine serve --model` gets inside the pod."""
+        if self.scheme == "pvc":
+            return f"{MODEL_MOUNT}/{self.path}".rstrip("/") if self.path else MODEL_MOUNT
+        if self.scheme == "hf":
+            return f"{MODEL_MOUNT}/hf"
+        return self.path
+
+
+def parse_model_uri(uri: str) -> ModelSource:
+    """``pvc://claim[/path]``, ``hf://org/name[@revision]`` or ``file:///abs/path``; SpecError otherwise."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        raise SpecError(f"spec.model.uri {uri!r} has no scheme; use pvc://, hf:// or file://")
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim):
+            raise SpecError(f"spec.model.uri {uri!r}: {claim!r} is not a PersistentVolumeClaim name")
+        if ".." in path.split("/"):
+            raise SpecError(f"spec.model.uri {uri!r}: the path may not contain '..'")
+        return ModelSource("pvc", path=path.strip("/"), claim=claim)
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+            raise SpecError(f"spec.model.uri {uri!r}: expected hf://org/name[@revision]")
+        if "@" in rest and not revision:
+            raise SpecError(f"spec.model.uri {uri!r}: empty revision after '@'")
+        return ModelSource("hf", repo=repo, revision=revision or None)
+    if scheme == "file":
+        if not rest.startswith("/") or rest == "/":
+            raise SpecError(f"spec.model.uri {uri!r}: expected file:///absolute/path")
+        return ModelSource("file", path=rest.rstrip("/"))
+    raise SpecError(f"spec.model.uri {uri!r}: unknown scheme {scheme!r}; use pvc://, hf:// or file://")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    image: str | None
+    image_pull_policy: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    dtype: str
+    max_model_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    block_size: int
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float | None
+    enable_prefix_caching: bool
+    seed: int | None
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+
+    @property
+    def accelerators_per_pod(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """An InferenceModel's desired state. Invariant: built only from a validated, defaulted spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    served_name: str
+    source: ModelSource
+    tokenizer: str | None
+    engine: EngineSpec
+    replicas: int
+    accelerator: Literal["nvidia", "cpu"]
+    resources: dict[str, Any]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: dict[str, Any] | None
+    priority_class_name: str | None
+    termination_grace_period_seconds: int
+    startup_timeout_seconds: int
+    sleep_idle_seconds: int
+    sleep_level: int
+    routing_policy: str
+    allowed_tenants: tuple[str, ...] | None
+
+
+def model_spec_from(obj: dict) -> ModelSpec:
+    """Validate an InferenceModel object (as the API server returns it) and build its ModelSpec.
+
+    Raises SpecError naming every problem found."""
+    meta = obj.get("metadata", {})
+    name = meta.get("name", "")
+    if len(name) > MAX_MODEL_NAME or not DNS_1035_LABEL.match(name):
+        raise SpecError(
+            f"metadata.name {name!r} must be a DNS-1035 label of at most {MAX_MODEL_NAME} characters "
+            "(lower-case letters, digits and '-', starting with a letter): it names the model's Service"
+        )
+    spec = validated_inference_model(obj)
+    model, engine = spec["model"], spec["engine"]
+    source = parse_model_uri(model["uri"])
+    return ModelSpec(
+        name=name,
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation", 0) or 0),
+        served_name=model.get("servedName") or name,
+        source=source,
+        tokenizer=model.get("tokenizer"),
+        engine=EngineSpec(
+            image=engine.get("image"),
+            image_pull_policy=engine.get("imagePullPolicy"),
+            tensor_parallel_size=engine["tensorParallelSize"],
+            pipeline_parallel_size=engine["pipelineParallelSize"],
+            dtype=engine["dtype"],
+            max_model_len=engine.get("maxModelLen"),
+            max_num_seqs=engine.get("maxNumSeqs"),
+            max_num_batched_tokens=engine.get("maxNumBatchedTokens"),
+            block_size=engine["blockSize"],
+            kv_cache_memory_bytes=parse_bytes(engine["kvCacheMemory"]) if "kvCacheMemory" in engine else None,
+            gpu_memory_utilization=engine.get("gpuMemoryUtilization"),
+            enable_prefix_caching=engine["enablePrefixCaching"],
+            seed=engine.get("seed"),
+            extra_args=tuple(engine.get("extraArgs", ())),
+            env=tuple(engine.get("env", ())),
+        ),
+        replicas=spec["replicas"],
+        accelerator=spec["accelerator"],
+        resources=spec.get("resources", {}),
+        node_selector=spec.get("nodeSelector", {}),
+        tolerations=tuple(spec.get("tolerations", ())),
+        affinity=spec.get("affinity"),
+        priority_class_name=spec.get("priorityClassName"),
+        termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
+        startup_timeout_seconds=spec["startupTimeoutSeconds"],
+        sleep_idle_seconds=spec["sleep"]["idleSeconds"],
+        sleep_level=spec["sleep"]["level"],
+        routing_policy=spec["routing"]["policy"],
+        allowed_tenants=_allowed_tenants(spec),
+    )
+
+
+def _allowed_tenants(spec: dict) -> tuple[str, ...] | None:
+    tenants = spec.get("access", {}).get("tenants")
+    return None if tenants is None else tuple(tenants)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """A Tenant's desired state; the key itself is read from the Secret by the handler."""
+
+    name: str
+    secret_name: str
+    secret_namespace: str
+    secret_key: str
+    models: tuple[str, ...]
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    priority: int
+    cache_salt: str
+
+
+def tenant_spec_from(obj: dict, default_secret_namespace: str) -> TenantSpec:
+    spec = validated_tenant(obj)
+    ref, limits = spec["apiKeySecretRef"], spec["limits"]
+    return TenantSpec(
+        name=obj.get("metadata", {}).get("name", ""),
+        secret_name=ref["name"],
+        secret_namespace=ref.get("namespace") or default_secret_namespace,
+        secret_key=ref["key"],
+        models=tuple(spec["models"]),
+        requests_per_minute=limits.get("requestsPerMinute", 0),
+        tokens_per_minute=limits.get("tokensPerMinute", 0),
+        max_concurrent=limits.get("maxConcurrent", 0),
+        priority=spec["priority"],
+        cache_salt=spec.get("cacheSalt", ""),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Operator-wide settings (from its command line / the chart)."""
+
+    engine_image: str = "ghcr.io/kvfleet/engine:latest"
+    engine_image_cpu: str | None = (
+        None  # default image for accelerator=cpu models (falls back to engine_image)
+    )
+    namespace: str = "kvfleet-system"  # where the operator runs; default namespace of Tenant Secrets
+    redis_url: str = "redis://localhost:6379/0"
+    admin_token: str = ""
+    gpu_resource: str = "nvidia.com/gpu"
+    shm_size: str = "8Gi"
+    extra_pod_labels: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,188 @@
+"""The CRDs, the examples and every rendered manifest against the Kubernetes schemas.
+
+`kubernetes_validate` checks objects against the OpenAPI schemas of a given Kubernetes release (no cluster
+needed); the CRDs' own OpenAPI schemas check the examples; the CEL rules' Python twins are exercised one by one.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvfleet_operator import crds, manifests
+from kvfleet_operator.cli import crd_files
+from kvfleet_operator.spec import OperatorConfig, model_spec_from
+from kvfleet_operator.validation import (
+    SpecError,
+    apply_defaults,
+    schema_errors,
+    validated_inference_model,
+    validated_tenant,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The oldest and newest Kubernetes releases the manifests are checked against.
+K8S_VERSIONS = ("1.30", "1.33")
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def example_docs() -> list[tuple[str, dict]]:
+    return [(p.name, d) for p in EXAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def k8s_validate(obj: dict) -> None:
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("folder", ["crds", "charts/kvfleet/crds"])
+def test_checked_in_crds_are_what_the_code_builds(folder):
+    on_disk = {p.name: p.read_text() for p in (ROOT / folder).glob("*.yaml")}
+    assert on_disk == crd_files(), f"regenerate with: kvfleet operator crds --out {folder}"
+
+
+@pytest.mark.parametrize("name", list(crds.all_crds()))
+def test_crds_validate_against_kubernetes(name):
+    k8s_validate(crds.all_crds()[name])
+
+
+def _walk_structural(schema: dict, path: str, problems: list[str]) -> None:
+    """The structural-schema rules the API server enforces that a JSON-schema validator does not."""
+    special = schema.get("x-kubernetes-int-or-string") or schema.get("x-kubernetes-preserve-unknown-fields")
+    if "type" not in schema and not special:
+        problems.append(f"{path}: no type")
+    if "anyOf" in schema:
+        if not schema.get("x-kubernetes-int-or-string"):
+            problems.append(f"{path}: anyOf only for int-or-string")
+        for branch in schema["anyOf"]:
+            if set(branch) != {"type"}:
+                problems.append(f"{path}: anyOf branches may only name a type")
+    if "default" in schema:
+        errors = schema_errors(schema["default"], schema)
+        if errors:
+            problems.append(f"{path}: default {schema['default']!r} is invalid: {errors}")
+    for key, sub in schema.get("properties", {}).items():
+        _walk_structural(sub, f"{path}.{key}", problems)
+    if isinstance(schema.get("items"), dict):
+        _walk_structural(schema["items"], f"{path}[]", problems)
+    if isinstance(schema.get("additionalProperties"), dict):
+        _walk_structural(schema["additionalProperties"], f"{path}.*", problems)
+
+
+@pytest.mark.parametrize("schema_fn", [crds.inference_model_schema, crds.tenant_schema])
+def test_schemas_are_structural_and_defaults_valid(schema_fn):
+    problems: list[str] = []
+    _walk_structural(schema_fn(), "", problems)
+    assert problems == []
+
+
+@pytest.mark.parametrize("name, doc", example_docs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_examples_validate(name, doc):
+    if doc["apiVersion"] == crds.API_VERSION:
+        schema = crds.inference_model_schema() if doc["kind"] == crds.MODEL_KIND else crds.tenant_schema()
+        assert schema_errors(apply_defaults(doc, schema), schema) == []
+        if doc["kind"] == crds.MODEL_KIND:
+            validated_inference_model(doc)
+        else:
+            validated_tenant(doc)
+    else:
+        k8s_validate(doc)
+
+
+def test_every_example_model_renders_manifests_valid_for_kubernetes():
+    models = [d for _, d in example_docs() if d["kind"] == crds.MODEL_KIND]
+    assert len(models) >= 3
+    config = OperatorConfig()
+    for doc in models:
+        doc = copy.deepcopy(doc)
+        doc["metadata"].update(namespace="default", uid="6f1d9d5c-3f8a-4d0e-9a43-0c2f8a1b7e55")
+        for obj in manifests.children(model_spec_from(doc), config):
+            k8s_validate(obj)
+
+
+def test_cpu_and_hf_variants_render_valid_manifests():
+    doc = {
+        "metadata": {"name": "m", "namespace": "default", "uid": "u"},
+        "spec": {"model": {"uri": "hf://org/model"}, "accelerator": "cpu", "replicas": 0},
+    }
+    for obj in manifests.children(model_spec_from(doc), OperatorConfig()):
+        k8s_validate(obj)
+
+
+# One violating engine/spec per CEL rule, keyed by the rule's message in the CRD.
+CEL_VIOLATIONS = {
+    "kvCacheMemory and gpuMemoryUtilization are mutually exclusive": {
+        "engine": {"kvCacheMemory": "1Gi", "gpuMemoryUtilization": 0.5}
+    },
+    "tensorParallelSize × pipelineParallelSize must be at most 8 accelerators per pod": {
+        "engine": {"tensorParallelSize": 4, "pipelineParallelSize": 4}
+    },
+    "maxNumBatchedTokens must be at least maxNumSeqs": {
+        "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}
+    },
+    "gpuMemoryUtilization needs accelerator nvidia; size the cache with kvCacheMemory on cpu": {
+        "accelerator": "cpu",
+        "engine": {"gpuMemoryUtilization": 0.5},
+    },
+}
+
+
+def _cel_messages(schema: dict) -> list[str]:
+    found = [rule["message"] for rule in schema.get("x-kubernetes-validations", [])]
+    for sub in schema.get("properties", {}).values():
+        found += _cel_messages(sub)
+    return found
+
+
+def test_every_cel_rule_has_a_python_twin():
+    assert sorted(_cel_messages(crds.inference_model_schema())) == sorted(CEL_VIOLATIONS)
+    for message, violation in CEL_VIOLATIONS.items():
+        doc = {"spec": {"model": {"uri": "pvc://m/x"}, **violation}}
+        with pytest.raises(SpecError) as err:
+            validated_inference_model(doc)
+        assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"model": {"uri": "pvc://m"}, "replicas": -1}, ".spec.replicas: -1 is less than the minimum of 0"),
+        ({"model": {"uri": "s3://bucket/m"}}, ".spec.model.uri: 's3://bucket/m' is not of the expected form"),
+        ({}, "'model' is a required property"),
+        ({"model": {"uri": "pvc://m"}, "accelerator": "tpu"}, "'tpu' is not one of ['nvidia', 'cpu']"),
+        (
+            {"model": {"uri": "pvc://m"}, "engine": {"kvCacheMemory": "lots"}},
+            "must be an integer or a quantity",
+        ),
+        ({"model": {"uri": "pvc://m"}, "engine": {"gpuMemoryUtilization": 0}}, "gpuMemoryUtilization"),
+        (
+            {"model": {"uri": "pvc://m"}, "engine": {"extraArgs": ["--port=9"]}},
+            "--port is set by the operator",
+        ),
+        ({"model": {"uri": "pvc://m"}, "sleep": {"level": 3}}, ".spec.sleep.level: 3 is greater than"),
+    ],
+)
+def test_bad_model_specs_are_rejected_with_clear_messages(spec, message):
+    with pytest.raises(SpecError) as err:
+        validated_inference_model({"spec": spec})
+    assert message in str(err.value)
+
+
+def test_bad_model_names_are_rejected():
+    with pytest.raises(SpecError, match="DNS-1035"):
+        model_spec_from({"metadata": {"name": "Llama_3"}, "spec": {"model": {"uri": "pvc://m"}}})
+    with pytest.raises(SpecError, match="at most 46"):
+        model_spec_from({"metadata": {"name": "m" * 47}, "spec": {"model": {"uri": "pvc://m"}}})
+
+
+def test_bad_tenant_specs_are_rejected():
+    with pytest.raises(SpecError, match="'apiKeySecretRef' is a required property"):
+        validated_tenant({"spec": {}})
+    with pytest.raises(SpecError, match="requestsPerMinute: -5 is less than the minimum"):
+        validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}, "limits": {"requestsPerMinute": -5}}})
+    spec = validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}}})
+    assert spec["models"] == ["*"] and spec["apiKeySecretRef"]["key"] == "apiKey" and spec["priority"] == 0
