@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,6 +44,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "seed",
         "scheduling_policy",
         "attention_backend",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
     ]
     return {k: getattr(args, k) for k in keys}
 
@@ -105,9 +111,13 @@ def generate_main(argv: list[str]) -> int:
 
 def engine_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvfleet engine generate [args...]")
+        print("usage: kvfleet engine {serve,generate} [args...]")
         return 0
     if argv[0] == "generate":
         return generate_main(argv[1:])
-    print(f"kvfleet engine: unknown sub-command {argv[0]!r} (available: generate)", file=sys.stderr)
+    if argv[0] == "serve":
+        from kvfleet_engine.server.cli import serve_main
+
+        return serve_main(argv[1:])
+    print(f"kvfleet engine: unknown sub-command {argv[0]!r} (available: serve, generate)", file=sys.stderr)
     return 2

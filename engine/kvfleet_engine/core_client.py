@@ -100,9 +100,15 @@ class EngineCoreClient:
                 except EOFError:
                     ready = {"ok": False, "error": "the engine core exited during start-up"}
             elif not self.proc.is_alive():
-                ready = {"ok": False, "error": f"the engine core exited during start-up (code {self.proc.exitcode})"}
+                ready = {
+                    "ok": False,
+                    "error": f"the engine core exited during start-up (code {self.proc.exitcode})",
+                }
             elif time.monotonic() > deadline:
-                ready = {"ok": False, "error": f"the engine core was not ready after {self._startup_timeout:.0f}s"}
+                ready = {
+                    "ok": False,
+                    "error": f"the engine core was not ready after {self._startup_timeout:.0f}s",
+                }
         if not ready["ok"]:
             self.shutdown()
             raise EngineStartError(ready["error"])

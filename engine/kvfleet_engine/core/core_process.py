@@ -183,7 +183,9 @@ class EngineCoreProc:
         rejected: list[EngineCoreOutput] = []
         for r in reqs:
             if self.engine.is_sleeping:  # raced with sleep: end it at once, the frontend maps it to 503
-                rejected.append(EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort"))
+                rejected.append(
+                    EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort")
+                )
                 continue
             params = SamplingParams(**r.sampling_params)
             params.all_stop_token_ids = set(params.stop_token_ids)

@@ -1,0 +1,70 @@
+"""OpenTelemetry set-up shared by every component, configured by the standard ``OTEL_*`` variables.
+
+- ``OTEL_TRACES_EXPORTER``: ``otlp`` (default when an OTLP endpoint is set), ``console`` or ``none``;
+- ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: OTLP over HTTP/protobuf;
+- ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``: resource attributes (read by the SDK).
+
+With nothing set no exporter is installed, yet a real TracerProvider still runs so W3C
+``traceparent`` headers are extracted and propagated (a gateway span's child lands in the engine).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+_configured = False
+
+
+def _exporter_from_env() -> SpanExporter | None:
+    choice = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    has_endpoint = bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+    if choice == "none" or (not choice and not has_endpoint):
+        return None
+    if choice == "console":
+        return ConsoleSpanExporter()
+    if choice not in ("", "otlp"):
+        raise ValueError(f"OTEL_TRACES_EXPORTER={choice!r} is not supported (use otlp, console or none)")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # reads the endpoint, headers and timeout from OTEL_EXPORTER_OTLP_*
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Install the global TracerProvider once per process (later calls return it unchanged)."""
+    global _configured
+    if _configured:
+        return trace.get_tracer_provider()  # type: ignore[return-value]
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    exporter = _exporter_from_env()
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _configured = True
+    return provider
+
+
+def extract_context(headers: Mapping[str, str]) -> Context:
+    """The remote parent carried by W3C ``traceparent``/``tracestate`` headers (empty if none)."""
+    return propagate.extract(dict(headers))
+
+
+def inject_headers(headers: dict[str, str], context: Context | None = None) -> dict[str, str]:
+    """Add ``traceparent`` (and ``tracestate``) for the current span to outgoing headers."""
+    propagate.inject(headers, context=context)
+    return headers
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()

@@ -1,0 +1,118 @@
+"""``kvfleet engine serve``: one engine replica behind an OpenAI-compatible HTTP server.
+
+Process layout: this process runs uvicorn + FastAPI + AsyncLLM (tokenize, detokenize, stream);
+it spawns the engine core process (scheduler + model) and talks to it over ZMQ. SIGTERM drains:
+the port closes, in-flight requests get ``--shutdown-timeout`` seconds to finish (then they are
+aborted), the replica deregisters from Redis and the core stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+
+import uvicorn
+
+from kvfleet_engine.cli import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("kvfleet_engine.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet engine serve", description=__doc__.splitlines()[0])
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
+    p.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL"),
+                   help="announce the replica and its KV cache in Redis (env KVFLEET_REDIS_URL)")  # fmt: skip
+    p.add_argument("--admin-token", default=os.environ.get("KVFLEET_ADMIN_TOKEN"),
+                   help="bearer token for /sleep, /wake_up, /is_sleeping (env KVFLEET_ADMIN_TOKEN)")  # fmt: skip
+    p.add_argument("--replica-name", default=os.environ.get("KVFLEET_REPLICA_NAME"),
+                   help="stable replica name in Redis, e.g. the pod name (default: host:port)")  # fmt: skip
+    p.add_argument("--base-url", default=os.environ.get("KVFLEET_BASE_URL"),
+                   help="URL the gateway reaches this replica at (default: http://<host>:<port>)")  # fmt: skip
+    p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from kvfleet_common.tracing import setup_tracing
+    from kvfleet_engine.async_llm import AsyncLLM
+    from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.core.core_process import PresenceOptions
+    from kvfleet_engine.models.registry import get_model_class
+    from kvfleet_engine.server.app import build_app
+
+    try:
+        config = EngineConfig.create(**engine_kwargs(args))
+        get_model_class(config.model)
+    except (ValueError, NotImplementedError) as e:
+        print(f"kvfleet engine serve: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or config.model.path.name
+    presence = None
+    if args.redis_url:
+        host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        presence = PresenceOptions(
+            redis_url=args.redis_url,
+            name=args.replica_name or f"{host}:{args.port}",
+            model=name,
+            base_url=args.base_url or f"http://{host}:{args.port}",
+        )
+    setup_tracing("kvfleet-engine")
+    engine = AsyncLLM(config, presence)
+    app = build_app(engine, name, args.admin_token, args.max_request_body_bytes)
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=int(args.shutdown_timeout),
+            lifespan="on",
+        ),
+        app,
+    )
+    server.run()
+    return 0 if engine.dead_reason is None else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT, mark the replica draining (``/health`` and Redis heartbeats say
+    so) before uvicorn's own graceful shutdown closes the port and waits for in-flight requests."""
+
+    def __init__(self, config: uvicorn.Config, app) -> None:
+        super().__init__(config)
+        self.app = app
+        self._tasks: set[asyncio.Task] = set()
+
+    def handle_exit(self, sig, frame) -> None:
+        state = self.app.state
+        if not state.draining:
+            state.draining = True
+            logger.info("draining (signal %s): finishing in-flight requests", sig)
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to tell the core
+                task = asyncio.get_running_loop().create_task(_set_draining(state.engine))
+                self._tasks.add(task)
+        super().handle_exit(sig, frame)
+
+
+async def _set_draining(engine) -> None:
+    try:
+        await engine.set_state("draining")
+    except Exception:
+        logger.debug("could not mark the replica draining", exc_info=True)

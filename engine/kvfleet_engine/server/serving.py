@@ -1,0 +1,527 @@
+"""OpenAI completions and chat completions on top of AsyncLLM (streaming and not).
+
+One HTTP request may hold several prompts (completions with a list of prompts) and several
+samples per prompt (``n``): choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response.
+All prompts are validated before any reaches the engine, so a bad one leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvfleet_common.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+    error_body,
+)
+from kvfleet_common.tracing import extract_context
+from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbortedError
+from kvfleet_engine.core_client import EngineDeadError
+from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.server.errors import ApiError
+from kvfleet_engine.server.metrics import EngineMetrics
+
+logger = logging.getLogger("kvfleet_engine.server")
+tracer = trace.get_tracer("kvfleet.engine")
+
+RETRY_AFTER_S = "5"
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Timing and token counts of one HTTP request: metrics, span attributes and the log line."""
+
+    request_id: str
+    endpoint: str
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def on_delta(self, metrics: EngineMetrics, num_new_tokens: int) -> None:
+        now = time.perf_counter()
+        if num_new_tokens:
+            if self.first_token is None:
+                self.first_token = now
+                metrics.ttft.labels(metrics.model_name).observe(now - self.arrival)
+            elif self.last_token is not None:
+                metrics.itl.labels(metrics.model_name).observe(now - self.last_token)
+            self.last_token = now
+            self.completion_tokens += num_new_tokens
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(
+                404, f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def check_available(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise ApiError(503, f"the engine is not available: {self.engine.dead_reason}", code="engine_dead")
+        if self.engine.sleep_level:
+            raise ApiError(
+                503, "the model is sleeping; wake it up or retry later", code="model_sleeping",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )  # fmt: skip
+
+    def check_alive_for_admin(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise ApiError(503, f"the engine is not available: {self.engine.dead_reason}", code="engine_dead")
+
+    def _params(self, kwargs: dict) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_request") from None
+
+    def _validate_prompt(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        try:
+            self.engine.input_processor.process("validate", prompt.token_ids, params)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt", code="invalid_prompt") from None
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool
+    ) -> str:
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise ApiError(400, "continue_final_message needs the last message to be the assistant's")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )  # fmt: skip
+        except Exception as e:  # jinja errors (e.g. a template that rejects a role sequence)
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return text
+
+    # ---- completions -------------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.check_available()
+        params = self._params(req.sampling_kwargs(req.max_tokens, req.logprobs))
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append(PreparedPrompt(p, self.tokenize_text(p)))
+            else:
+                prompts.append(PreparedPrompt(None, list(p)))
+        for p in prompts:
+            self._validate_prompt(p, params)
+        rec = RequestRecord(raw.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}", "completions")
+        rec.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        if req.stream:
+            return self._stream(rec, raw, prompts, params, req, self._completion_chunks)
+        return await self._complete(rec, raw, prompts, params, req, self._completion_response)
+
+    # ---- chat --------------------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.check_available()
+        params = self._params(req.sampling_kwargs(req.effective_max_tokens, req.num_logprobs))
+        text = self.apply_chat_template(
+            req.template_messages(), req.add_generation_prompt, req.continue_final_message
+        )
+        prompt = PreparedPrompt(text, self.tokenize_text(text, add_special_tokens=False))
+        self._validate_prompt(prompt, params)
+        rec = RequestRecord(raw.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}", "chat")
+        rec.prompt_tokens = len(prompt.token_ids)
+        if req.stream:
+            return self._stream(rec, raw, [prompt], params, req, self._chat_chunks)
+        return await self._complete(rec, raw, [prompt], params, req, self._chat_response)
+
+    # ---- the shared machinery ----------------------------------------------------------------------
+
+    async def _merged(
+        self, rec: RequestRecord, prompts: list[PreparedPrompt], params: SamplingParams, req
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of every prompt's generation, interleaved as they come: (prompt index, delta)."""
+        gens = [
+            self.engine.generate(
+                p.token_ids, params, prompt=p.text,
+                request_id=rec.request_id if len(prompts) == 1 else f"{rec.request_id}-p{i}",
+                priority=req.priority, cache_salt=req.cache_salt,
+            )
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        if len(gens) == 1:
+            async for out in gens[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+            except BaseException as e:
+                await queue.put((i, e))
+                raise
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start_span(self, rec: RequestRecord, raw: Request):
+        span = tracer.start_span(
+            f"engine {rec.endpoint}", context=extract_context(raw.headers), kind=SpanKind.SERVER,
+            attributes={"kvfleet.request_id": rec.request_id, "gen_ai.request.model": self.model_name},
+        )  # fmt: skip
+        span.add_event("queued")
+        return span
+
+    def _finish(self, rec: RequestRecord, span, status: int, reasons: list[str | None]) -> None:
+        m, name = self.metrics, self.model_name
+        m.requests.labels(name, rec.endpoint, str(status)).inc()
+        if status == 200:
+            m.prompt_tokens.labels(name).inc(rec.prompt_tokens)
+            m.cached_prompt_tokens.labels(name).inc(rec.cached_tokens)
+            m.e2e.labels(name).observe(time.perf_counter() - rec.arrival)
+            for r in reasons:
+                m.finish_reasons.labels(name, r or "unknown").inc()
+        m.generation_tokens.labels(name).inc(rec.completion_tokens)
+        span.set_attribute("gen_ai.usage.input_tokens", rec.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", rec.completion_tokens)
+        span.set_attribute("kvfleet.cached_tokens", rec.cached_tokens)
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.add_event("finished")
+        span.end()
+        ttft = f"{(rec.first_token - rec.arrival) * 1e3:.0f}ms" if rec.first_token else "-"
+        logger.info(
+            "%s %s model=%s status=%d prompt=%d cached=%d completion=%d ttft=%s e2e=%.0fms",
+            rec.endpoint, rec.request_id, name, status, rec.prompt_tokens, rec.cached_tokens,
+            rec.completion_tokens, ttft, (time.perf_counter() - rec.arrival) * 1e3,
+        )  # fmt: skip
+
+    def _observe(self, rec: RequestRecord, span, prompt_idx: int, out: RequestOutput, cached: dict) -> None:
+        new = sum(len(c.token_ids) for c in out.outputs)
+        first = rec.first_token is None and new > 0
+        rec.on_delta(self.metrics, new)
+        if first:
+            span.add_event("first_token")
+        cached[prompt_idx] = out.num_cached_tokens
+        rec.cached_tokens = sum(cached.values())
+
+    @staticmethod
+    def _error_for(exc: BaseException) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, EngineSleepingError | RequestAbortedError):
+            return ApiError(503, str(exc), code="model_sleeping", headers={"Retry-After": RETRY_AFTER_S})
+        if isinstance(exc, EngineDeadError):
+            return ApiError(503, f"the engine is not available: {exc}", code="engine_dead")
+        if isinstance(exc, ValueError):
+            return ApiError(400, str(exc), code="invalid_request")
+        logger.error("generation failed", exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}")
+
+    async def _complete(self, rec, raw: Request, prompts, params, req, build) -> JSONResponse:
+        span = self._start_span(rec, raw)
+        n = params.n
+        choices: dict[int, CompletionOutput] = {}
+        cached: dict[int, int] = {}
+
+        async def run() -> None:
+            async for i, out in self._merged(rec, prompts, params, req):
+                self._observe(rec, span, i, out, cached)
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    acc = choices.get(idx)
+                    if acc is None:
+                        choices[idx] = CompletionOutput(
+                            idx, c.text, list(c.token_ids), c.cumulative_logprob,
+                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+                        )  # fmt: skip
+                    else:
+                        acc.text += c.text
+                        acc.token_ids.extend(c.token_ids)
+                        if c.logprobs:
+                            acc.logprobs.extend(c.logprobs)
+                        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+
+        task = asyncio.create_task(run())
+        watcher = asyncio.create_task(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client left: cancelling aborts every sequence in the core
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                self._finish(rec, span, 499, [])
+                return JSONResponse(error_body(400, "client disconnected"), status_code=499)
+            task.result()
+        except Exception as e:
+            err = self._error_for(e)
+            self._finish(rec, span, err.status, [])
+            return err.response()
+        finally:
+            watcher.cancel()
+        usage = self._usage(rec)
+        body = build(rec, prompts, req, [choices[k] for k in sorted(choices)], usage)
+        self._finish(rec, span, 200, [c.finish_reason for c in choices.values()])
+        return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
+
+    def _usage(self, rec: RequestRecord) -> Usage:
+        return Usage(
+            prompt_tokens=rec.prompt_tokens,
+            completion_tokens=rec.completion_tokens,
+            total_tokens=rec.prompt_tokens + rec.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=rec.cached_tokens),
+        )
+
+    def _stream(self, rec, raw: Request, prompts, params, req, chunker) -> StreamingResponse:
+        span = self._start_span(rec, raw)
+        include_usage = req.include_usage
+        created = int(time.time())
+
+        async def body() -> AsyncIterator[bytes]:
+            status = 200
+            reasons: list[str | None] = []
+            cached: dict[int, int] = {}
+            state: dict = {}
+            try:
+                async for i, out in self._merged(rec, prompts, params, req):
+                    self._observe(rec, span, i, out, cached)
+                    reasons += [c.finish_reason for c in out.outputs if c.finish_reason is not None]
+                    for chunk in chunker(rec, created, prompts, req, params.n, i, out, state):
+                        yield _sse(chunk)
+                if include_usage:
+                    yield _sse(self._usage_chunk(rec, created, req))
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                status = 499  # client disconnected: the generator's cleanup aborted the request
+                raise
+            except Exception as e:
+                err = self._error_for(e)
+                status = err.status
+                yield _sse(err.body())
+                yield b"data: [DONE]\n\n"
+            finally:
+                self._finish(rec, span, status, reasons)
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream",
+            headers={"X-Request-Id": rec.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )  # fmt: skip
+
+    def _usage_chunk(self, rec: RequestRecord, created: int, req) -> dict:
+        obj = "chat.completion.chunk" if isinstance(req, ChatCompletionRequest) else "text_completion"
+        return {
+            "id": rec.request_id, "object": obj, "created": created, "model": self.model_name,
+            "choices": [], "usage": self._usage(rec).model_dump(),
+        }  # fmt: skip
+
+    # ---- response shapes ---------------------------------------------------------------------------
+
+    def _completion_logprobs(self, c: CompletionOutput, text_start: int) -> CompletionLogprobs | None:
+        if c.logprobs is None:
+            return None
+        lp = CompletionLogprobs()
+        offset = text_start
+        for pos, tid in zip(c.logprobs, c.token_ids):
+            sampled = pos.get(tid) or next(iter(pos.values()))
+            token = sampled.decoded_token or ""
+            lp.tokens.append(token)
+            lp.token_logprobs.append(_finite(sampled.logprob))
+            lp.top_logprobs.append(_top_dict(pos))
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return lp
+
+    def _completion_response(self, rec, prompts, req: CompletionRequest, outs, usage) -> dict:
+        n = req.n
+        choices = []
+        for c in outs:
+            prompt = prompts[c.index // n]
+            prefix = self._prompt_text(prompt) if req.echo else ""
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=prefix + c.text,
+                    logprobs=self._completion_logprobs(c, len(prefix)),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=rec.request_id, model=self.model_name, choices=choices, usage=usage
+        ).model_dump()
+
+    def _prompt_text(self, prompt: PreparedPrompt) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def _completion_chunks(self, rec, created, prompts, req: CompletionRequest, n, i, out, state):
+        for c in out.outputs:
+            idx = i * n + c.index
+            text = c.text
+            if req.echo and idx not in state:
+                text = self._prompt_text(prompts[i]) + text
+            offset = state.get(idx, 0)
+            state[idx] = offset + len(text)
+            if not text and c.finish_reason is None and not c.token_ids:
+                continue
+            lp = self._completion_logprobs(c, offset) if c.logprobs is not None else None
+            yield {
+                "id": rec.request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [{
+                    "index": idx, "text": text, "logprobs": lp.model_dump() if lp else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                }],
+            }  # fmt: skip
+
+    @staticmethod
+    def _chat_logprobs(c: CompletionOutput, top_n: int) -> ChatLogprobs | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for pos, tid in zip(c.logprobs, c.token_ids):
+            sampled = pos.get(tid) or next(iter(pos.values()))
+            token = sampled.decoded_token or ""
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=_finite(sampled.logprob),
+                    bytes=list(token.encode()),
+                    top_logprobs=_chat_top(pos, top_n),
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _chat_response(self, rec, prompts, req: ChatCompletionRequest, outs, usage) -> dict:
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._chat_logprobs(c, req.top_logprobs or 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in outs
+        ]
+        return ChatCompletionResponse(
+            id=rec.request_id, model=self.model_name, choices=choices, usage=usage
+        ).model_dump()
+
+    def _chat_chunks(self, rec, created, prompts, req: ChatCompletionRequest, n, i, out, state):
+        for c in out.outputs:
+            choices = []
+            if c.index not in state:
+                state[c.index] = True
+                choices.append(
+                    ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
+                )
+            if c.text or c.finish_reason is not None or c.logprobs:
+                choices.append(
+                    ChatChunkChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text or None),
+                        logprobs=self._chat_logprobs(c, req.top_logprobs or 0),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+            for choice in choices:
+                yield ChatCompletionChunk(
+                    id=rec.request_id, created=created, model=self.model_name, choices=[choice]
+                ).model_dump(exclude_none=False)
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999 is what the OpenAI API itself uses.
+    return x if x > -9999.0 else -9999.0
+
+
+def _top_dict(pos: dict[int, Logprob]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for lp in sorted(pos.values(), key=lambda lp: lp.rank or 0):
+        out.setdefault(lp.decoded_token or "", _finite(lp.logprob))
+    return out
+
+
+def _chat_top(pos: dict[int, Logprob], k: int) -> list[TopLogprob]:
+    """The k most likely tokens at a position (by rank), whatever was sampled."""
+    ranked = sorted(pos.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+    seen: list[TopLogprob] = []
+    for lp in ranked:
+        if len(seen) == k:
+            break
+        tok = lp.decoded_token or ""
+        seen.append(TopLogprob(token=tok, logprob=_finite(lp.logprob), bytes=list(tok.encode())))
+    return seen
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.5)
