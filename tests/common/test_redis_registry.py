@@ -1,0 +1,361 @@
+"""The registry against a real redis-server: replicas, KV index, prefix matching, records, purge."""
+
+import asyncio
+import hashlib
+import time
+
+import msgspec
+import pytest
+import redis
+import redis.asyncio
+
+from kvfleet_common import redis_keys as keys
+from kvfleet_common.hashing import hash_blocks
+from kvfleet_common.registry import AsyncRegistry, Registry, RegistryError, SupersededError
+from kvfleet_common.schemas import Heartbeat, ModelConfig, TenantRecord
+
+MODEL = "org/tiny-llama"
+BS = 4
+
+
+def heartbeat(replica_id: str, model: str = MODEL, **kw) -> Heartbeat:
+    name, _ = keys.parse_replica_id(replica_id)
+    now = time.time()
+    fields = dict(
+        replica_id=replica_id, name=name, model=model, base_url=f"http://{name}:8000", state="awake",
+        block_size=BS, max_model_len=256, started_at=now, updated_at=now,
+    )  # fmt: skip
+    fields.update(kw)
+    return Heartbeat(**fields)
+
+
+class CountingConnection(redis.Connection):
+    """Counts writes to the socket: one per round trip (a pipeline is sent as one write)."""
+
+    sends = 0
+
+    def send_packed_command(self, command, check_health=True):
+        CountingConnection.sends += 1
+        return super().send_packed_command(command, check_health)
+
+
+class AsyncCountingConnection(redis.asyncio.Connection):
+    sends = 0
+
+    async def send_packed_command(self, command, check_health=True):
+        AsyncCountingConnection.sends += 1
+        return await super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def reg(redis_server):
+    r = Registry.from_url(redis_server.url)
+    yield r
+    r.close()
+
+
+def register(reg: Registry, replica_id: str, model: str = MODEL, ttl: float = 5.0, **kw) -> None:
+    name, _ = keys.parse_replica_id(replica_id)
+    reg.claim_name(name, replica_id, ttl=ttl)
+    assert (
+        reg.publish_heartbeat(heartbeat(replica_id, model, **kw), ttl=ttl) is False
+    )  # first beat creates it
+
+
+def members(reg: Registry, replica_id: str) -> set[bytes]:
+    return reg.client.smembers(keys.replica_blocks(replica_id))
+
+
+def test_decode_responses_client_is_refused(redis_server):
+    with pytest.raises(ValueError, match="decode_responses"):
+        Registry(redis.Redis.from_url(redis_server.url, decode_responses=True))
+
+
+def test_heartbeat_liveness_expires_with_ttl_and_prunes(reg):
+    register(reg, "a#1", ttl=0.4)
+    register(reg, "b#1", ttl=30)
+    reg.apply_kv_events("a#1", [("stored", b"\x01" * 16)], first_seq=1)
+    assert [hb.replica_id for hb in reg.live_replicas(MODEL)] == ["a#1", "b#1"]
+    assert reg.publish_heartbeat(heartbeat("a#1", running=2), ttl=0.4) is True  # refresh of a live one
+    assert reg.get_heartbeat("a#1").running == 2
+    assert 0 < reg.client.pttl(keys.replica_blocks("a#1")) <= 400
+    assert 0 < reg.client.pttl(keys.replica_name("a")) <= 400
+
+    deadline = time.monotonic() + 5
+    while reg.client.exists(keys.replica("a#1")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [hb.replica_id for hb in reg.live_replicas(MODEL)] == ["b#1"]
+    assert reg.client.smembers(keys.model_replicas(MODEL)) == {b"b#1"}  # pruned lazily by the read
+    assert not reg.client.exists(keys.replica_blocks("a#1"), keys.replica_name("a"))  # same lifetime
+
+
+def test_kv_events_apply_in_order_with_sequence_numbers(reg):
+    register(reg, "a#1")
+    h = [bytes([i]) * 16 for i in range(6)]
+    res = reg.apply_kv_events(
+        "a#1", [("stored", h[0]), ("stored", h[1]), ("removed", h[0]), ("stored", h[2])], 1
+    )
+    assert (res.ok, res.seq, res.reason) == (True, 4, "applied")
+    assert members(reg, "a#1") == {h[1], h[2]}
+    # order matters within a batch: removed-then-stored keeps it, a clear wipes what came before
+    reg.apply_kv_events("a#1", [("removed", h[3]), ("stored", h[3]), ("cleared", None), ("stored", h[4])], 5)
+    assert members(reg, "a#1") == {h[4]}
+    assert reg.get_heartbeat("a#1").kv_seq_applied == 8
+    # a retried batch (reply lost) is recognised and not re-applied
+    dup = reg.apply_kv_events(
+        "a#1", [("stored", h[3]), ("stored", h[5]), ("removed", h[4]), ("stored", h[0])], 5
+    )
+    assert (dup.ok, dup.reason) == (True, "duplicate") and members(reg, "a#1") == {h[4]}
+    # a gap (events 9..10 lost) is refused: the replica must resync
+    gap = reg.apply_kv_events("a#1", [("stored", h[5])], first_seq=11)
+    assert (gap.resync_needed, gap.reason, gap.seq) == (True, "gap", 8)
+    assert members(reg, "a#1") == {h[4]}
+    # unchecked mode just continues the sequence
+    assert reg.apply_kv_events("a#1", [("stored", h[5])]).seq == 9
+    # the block set carries the heartbeat's TTL even after being recreated by an event
+    assert reg.client.pttl(keys.replica_blocks("a#1")) > 0
+
+
+def test_events_without_a_heartbeat_ask_for_resync(reg):
+    res = reg.apply_kv_events("ghost#1", [("stored", b"\x00" * 16)], first_seq=1)
+    assert (res.resync_needed, res.reason) == (True, "no-heartbeat")
+    assert not reg.client.exists(keys.replica_blocks("ghost#1"))
+    with pytest.raises(ValueError, match="16-byte"):
+        reg.apply_kv_events("ghost#1", [("stored", b"short")])
+
+
+def test_full_resync_replaces_the_index_in_chunks(reg):
+    register(reg, "a#1")
+    reg.apply_kv_events("a#1", [("stored", b"\xff" * 16)], first_seq=1)
+    hashes = [hashlib.md5(str(i).encode()).digest() for i in range(2500)]  # > 2 upload chunks
+    res = reg.replace_replica_blocks("a#1", hashes, seq=40)
+    assert (res.ok, res.seq) == (True, 40)
+    assert members(reg, "a#1") == set(hashes)
+    assert not reg.client.exists(keys.replica_resync("a#1"))
+    assert reg.client.pttl(keys.replica_blocks("a#1")) > 0
+    assert reg.apply_kv_events("a#1", [("removed", hashes[0])], first_seq=41).ok
+    assert reg.replace_replica_blocks("a#1", [], seq=41).ok and members(reg, "a#1") == set()
+    assert reg.replace_replica_blocks("nobody#1", hashes[:3]).reason == "no-heartbeat"
+    assert not reg.client.exists(keys.replica_resync("nobody#1"), keys.replica_blocks("nobody#1"))
+
+
+def test_prefix_match_counts_leading_blocks_with_gaps_and_salts(reg):
+    tokens = list(range(40))  # 10 blocks of 4
+    shared = hash_blocks(tokens, BS)
+    salted = hash_blocks(tokens, BS, salt="tenant-a")
+    assert set(shared).isdisjoint(salted)
+    for rid in ["full#1", "gap#1", "salted#1", "empty#1"]:
+        register(reg, rid)
+    reg.apply_kv_events("full#1", [("stored", h) for h in shared], 1)
+    reg.apply_kv_events(
+        "gap#1", [("stored", h) for i, h in enumerate(shared) if i != 3], 1
+    )  # block 3 evicted
+    reg.apply_kv_events("salted#1", [("stored", h) for h in salted[:6]], 1)
+    ids = ["full#1", "gap#1", "salted#1", "empty#1", "unknown#9"]
+    assert reg.prefix_match(MODEL, shared, ids) == {
+        "full#1": 10,
+        "gap#1": 3,
+        "salted#1": 0,
+        "empty#1": 0,
+        "unknown#9": 0,
+    }
+    assert reg.prefix_match(MODEL, salted, ids)["salted#1"] == 6
+    # a request sharing only 5 blocks then diverging
+    other = hash_blocks([*tokens[:20], 999, *tokens[21:]], BS)
+    assert reg.prefix_match(MODEL, other, ["full#1", "gap#1"]) == {"full#1": 5, "gap#1": 3}
+    # without ids: every registered replica of the model
+    assert reg.prefix_match(MODEL, shared) == {"full#1": 10, "gap#1": 3, "salted#1": 0, "empty#1": 0}
+    assert reg.prefix_match(MODEL, [], ["full#1"]) == {"full#1": 0}
+    assert reg.prefix_match(MODEL, shared, []) == {}
+
+
+def test_prefix_match_is_one_round_trip(redis_server, reg):
+    hashes = [hashlib.md5(str(i).encode()).digest() for i in range(600)]  # several SMISMEMBER chunks
+    ids = [f"r{i}#1" for i in range(8)]
+    for i, rid in enumerate(ids):
+        register(reg, rid)
+        reg.replace_replica_blocks(rid, hashes[: i * 80])
+    pool = redis.ConnectionPool.from_url(redis_server.url, connection_class=CountingConnection)
+    counted = Registry(redis.Redis(connection_pool=pool))
+    counted.client.ping()  # connection set-up is not part of the call
+    counted.client.script_flush()  # Redis forgot the script: EVALSHA fails once, EVAL reloads it
+    CountingConnection.sends = 0
+    counted.prefix_match(MODEL, hashes, ids)
+    assert CountingConnection.sends == 2  # the counter sees every round trip
+    CountingConnection.sends = 0
+    result = counted.prefix_match(MODEL, hashes, ids)
+    assert CountingConnection.sends == 1
+    assert result == {rid: i * 80 for i, rid in enumerate(ids)}
+    CountingConnection.sends = 0
+    assert counted.prefix_match(MODEL, hashes) == result
+    assert CountingConnection.sends == 1
+    counted.close()
+
+
+def test_claim_name_clears_the_previous_epoch(reg):
+    register(reg, "pod-0#100")
+    reg.apply_kv_events("pod-0#100", [("stored", bytes([i]) * 16) for i in range(50)], 1)
+    assert reg.claim_name("pod-0", "pod-0#200") == "pod-0#100"
+    assert not reg.client.exists(keys.replica("pod-0#100"), keys.replica_blocks("pod-0#100"))
+    assert reg.client.smembers(keys.model_replicas(MODEL)) == set()
+    assert reg.client.get(keys.replica_name("pod-0")) == b"pod-0#200"
+    reg.publish_heartbeat(heartbeat("pod-0#200"))
+    # the old process, if still alive, may not come back
+    with pytest.raises(SupersededError):
+        reg.publish_heartbeat(heartbeat("pod-0#100"))
+    with pytest.raises(SupersededError):
+        reg.claim_name("pod-0", "pod-0#150")
+    assert reg.claim_name("pod-0", "pod-0#200") is None  # idempotent for the holder
+    assert [hb.replica_id for hb in reg.live_replicas(MODEL)] == ["pod-0#200"]
+    with pytest.raises(ValueError, match="does not belong"):
+        reg.claim_name("pod-1", "pod-0#300")
+
+
+def test_deregister_removes_the_replica_now(reg):
+    register(reg, "a#1")
+    reg.apply_kv_events("a#1", [("stored", b"\x02" * 16)], 1)
+    assert reg.deregister_replica("a#1") is True
+    assert reg.live_replicas(MODEL) == []
+    assert reg.client.keys("kvf:replica:*") == [] and reg.client.keys("kvf:name:*") == []
+    assert reg.deregister_replica("a#1") is False
+
+
+def test_tenant_crud_and_api_keys(reg):
+    acme = TenantRecord(
+        name="acme", models=["org/*"], requests_per_minute=100, max_concurrent=4, cache_salt="x"
+    )
+    reg.put_tenant(acme)
+    reg.put_tenant(TenantRecord(name="beta"))
+    assert reg.get_tenant("acme") == acme and reg.get_tenant("nobody") is None
+    assert [t.name for t in reg.list_tenants()] == ["acme", "beta"]
+
+    k1, k2 = hashlib.sha256(b"sk-one").hexdigest(), hashlib.sha256(b"sk-two").hexdigest()
+    id1 = reg.add_api_key("acme", k1)
+    assert reg.add_api_key("acme", k1) == id1  # idempotent
+    id2 = reg.add_api_key("acme", k2)
+    assert reg.list_api_keys("acme") == {id1: k1, id2: k2}
+    assert reg.tenant_for_key_hash(k1) == acme
+    assert reg.tenant_for_key_hash(hashlib.sha256(b"sk-unknown").hexdigest()) is None
+    with pytest.raises(RegistryError, match="another tenant"):
+        reg.add_api_key("beta", k1)
+    with pytest.raises(RegistryError, match="unknown tenant"):
+        reg.add_api_key("nobody", k1)
+
+    updated = msgspec.structs.replace(acme, requests_per_minute=5)
+    reg.put_tenant(updated)
+    assert reg.tenant_for_key_hash(k2) == updated  # lookups follow the record
+    assert reg.remove_api_key("acme", id1) is True and reg.remove_api_key("acme", id1) is False
+    assert reg.tenant_for_key_hash(k1) is None and reg.tenant_for_key_hash(k2) == updated
+
+    assert reg.delete_tenant("acme") is True and reg.delete_tenant("acme") is False
+    assert reg.tenant_for_key_hash(k2) is None
+    assert [t.name for t in reg.list_tenants()] == ["beta"]
+    assert reg.client.keys("kvf:apikey:*") == [] and not reg.client.exists(keys.tenant_keys("acme"))
+
+
+def test_model_records_activity_tokenizer_and_locks(reg):
+    cfg = ModelConfig(model=MODEL, routing_policy="round-robin", sleep_idle_seconds=60)
+    reg.put_model_config(cfg)
+    assert reg.get_model_config(MODEL) == cfg and MODEL in reg.list_models()
+    assert reg.last_activity(MODEL) is None
+    reg.touch_activity(MODEL, now=1234.5)
+    assert reg.last_activity(MODEL) == 1234.5
+
+    files = {
+        "tokenizer.json": b'{"model": {}}',
+        "tokenizer_config.json": b"{}\n",
+        "blob.bin": bytes(range(256)),
+    }
+    rev = reg.publish_tokenizer(MODEL, files)
+    assert reg.publish_tokenizer(MODEL, files) == rev
+    assert reg.fetch_tokenizer(MODEL, rev) == files
+    assert reg.fetch_tokenizer(MODEL, "0" * 64) is None
+
+    assert reg.acquire_wake_lock(MODEL, "gw-1") is True
+    assert reg.acquire_wake_lock(MODEL, "gw-2") is False
+    assert reg.release_wake_lock(MODEL, "gw-2") is False and reg.release_wake_lock(MODEL, "gw-1") is True
+    assert reg.acquire_wake_lock(MODEL, "gw-2", ttl_ms=50) is True
+    assert 0 < reg.client.pttl(keys.model_wake_lock(MODEL)) <= 50
+
+    assert reg.record_usage("acme", 1, 100, now=600) == (1, 100)
+    assert reg.record_usage("acme", 1, 20, now=659) == (2, 120)
+    assert reg.record_usage("acme", 1, 5, now=660) == (1, 5)  # next minute
+    assert 0 < reg.client.ttl(keys.ratelimit("acme", 10)) <= keys.RATELIMIT_TTL_S
+
+    assert reg.delete_model_config(MODEL) is True and reg.get_model_config(MODEL) is None
+
+
+def _full_scenario(reg: Registry) -> str:
+    """Touch every kind of key the platform writes; returns a tokenizer revision."""
+    register(reg, "m1-0#1", model=MODEL)
+    register(reg, "m2-0#1", model="other")
+    for rid in ["m1-0#1", "m2-0#1"]:
+        reg.apply_kv_events(rid, [("stored", h) for h in hash_blocks(range(16), BS)], 1)
+    reg.client.sadd(keys.replica_resync("m1-0#1"), b"\x00" * 16)  # a resync interrupted mid-upload
+    rev = reg.publish_tokenizer(MODEL, {"tokenizer.json": b"{}"})
+    reg.publish_tokenizer("other", {"tokenizer.json": b"[]"})
+    for m in [MODEL, "other"]:
+        reg.put_model_config(ModelConfig(model=m))
+        reg.touch_activity(m)
+        reg.acquire_wake_lock(m, "gw")
+    reg.put_tenant(TenantRecord(name="acme"))
+    reg.add_api_key("acme", "ab" * 32)
+    reg.record_usage("acme", 1, 10)
+    reg.client.incr(keys.inflight_replica("m1-0#1"))
+    reg.client.incr(keys.inflight_tenant("acme"))
+    return rev
+
+
+def test_every_key_written_is_described_by_redis_keys(reg):
+    _full_scenario(reg)
+    found = reg.client.keys("*")
+    assert len(found) >= len(keys.KEY_SPECS)
+    undescribed = [k for k in found if keys.spec_for(k) is None]
+    assert undescribed == []
+    kinds = {keys.spec_for(k).pattern for k in found}
+    assert kinds == {s.pattern for s in keys.KEY_SPECS}  # the scenario covered every kind
+    for k in found:  # and each key has the documented Redis type
+        assert reg.client.type(k).decode() == keys.spec_for(k).type, k
+
+
+def test_purge_model_leaves_no_key_of_that_model(reg):
+    rev = _full_scenario(reg)
+    before_other = sorted(k for k in reg.client.keys("*") if b"other" in k or b"m2-0" in k)
+    reg.purge_model(MODEL)
+    left = reg.client.keys("*")
+    assert [k for k in left if MODEL.encode() in k or b"m1-0" in k or rev.encode() in k] == []
+    assert MODEL not in reg.list_models() and "other" in reg.list_models()
+    assert sorted(k for k in left if b"other" in k or b"m2-0" in k) == before_other  # others untouched
+    assert reg.get_tenant("acme") is not None
+
+
+def test_async_registry_speaks_the_same_contract(redis_server, reg):
+    register(reg, "a#1")
+    hashes = hash_blocks(range(32), BS)
+    reg.apply_kv_events("a#1", [("stored", h) for h in hashes[:5]], 1)
+
+    async def main():
+        pool = redis.asyncio.ConnectionPool.from_url(
+            redis_server.url, connection_class=AsyncCountingConnection
+        )
+        areg = AsyncRegistry(redis.asyncio.Redis(connection_pool=pool))
+        try:
+            await areg.client.ping()
+            assert await areg.prefix_match(MODEL, hashes, ["a#1"]) == {"a#1": 5}
+            AsyncCountingConnection.sends = 0
+            await areg.prefix_match(MODEL, hashes, ["a#1"])
+            sends = AsyncCountingConnection.sends
+            live = await areg.live_replicas(MODEL)
+            await areg.put_tenant(TenantRecord(name="acme"))
+            key_id = await areg.add_api_key("acme", "cd" * 32)
+            tenant = await areg.tenant_for_key_hash("cd" * 32)
+            names = await asyncio.gather(*(areg.list_models() for _ in range(3)))
+            return sends, live, key_id, tenant, names
+        finally:
+            await areg.aclose()
+
+    sends, live, key_id, tenant, names = asyncio.run(main())
+    assert sends == 1
+    assert [hb.replica_id for hb in live] == ["a#1"]
+    assert key_id in reg.list_api_keys("acme") and tenant.name == "acme"
+    assert names == [[MODEL]] * 3
