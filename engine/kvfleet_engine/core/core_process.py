@@ -87,6 +87,7 @@ class EngineCoreProc:
         self._input_addr, self._output_addr = input_addr, output_addr
         self._stats_dirty = True
         self._state = "awake"
+        self._memory = self.engine.executor.memory_report()
 
     # ---- threads ---------------------------------------------------------------------------------
 
@@ -215,12 +216,14 @@ class EngineCoreProc:
         try:
             if call.method == "sleep":
                 aborted = self.engine.sleep(*call.args)
+                self._memory = self.engine.executor.memory_report()
                 if aborted:
                     self._emit(aborted)
                 self._set_state("sleeping")
                 result: Any = None
             elif call.method == "wake_up":
                 self.engine.wake_up(*call.args)
+                self._memory = self.engine.executor.memory_report()
                 if not self.engine.is_sleeping:
                     self._set_state("awake")
                 result = None
@@ -258,12 +261,15 @@ class EngineCoreProc:
             num_waiting=len(sched.waiting),
             kv_cache_usage=kv.usage,
             num_kv_blocks=self.engine.num_kv_blocks,
+            num_free_kv_blocks=kv.get_num_free_blocks(),
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             prefill_tokens_per_s=self.engine.rates.prefill_tokens_per_s,
             decode_tokens_per_s=self.engine.rates.decode_tokens_per_s,
             sleep_level=self.engine.sleep_level,
+            weights_bytes=self._memory.get("weights", 0),
+            kv_cache_bytes=self._memory.get("kv_cache", 0),
         )
 
     def _presence_stats(self):

@@ -49,12 +49,15 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0  # usable blocks with no request holding them (cached ones included)
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # of those, served from the cache (cumulative)
     prefill_tokens_per_s: float = 0.0  # measured on recent steps
     decode_tokens_per_s: float = 0.0
     sleep_level: int = 0  # 0 = awake
+    weights_bytes: int = 0  # device memory held by the workers (refreshed at start, sleep, wake)
+    kv_cache_bytes: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -61,6 +61,9 @@ class EngineMetrics:
             "kvfleet_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)", labels, registry=r
         )
         self.num_kv_blocks = Gauge("kvfleet_engine_kv_cache_blocks", "KV cache blocks", labels, registry=r)
+        self.num_free_kv_blocks = Gauge(
+            "kvfleet_engine_kv_cache_free_blocks", "KV blocks no request holds", labels, registry=r
+        )
         self.prefix_queries = Gauge(
             "kvfleet_engine_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache (cumulative)",
             labels, registry=r,
@@ -87,6 +90,12 @@ class EngineMetrics:
         self.sleep_level = Gauge(
             "kvfleet_engine_sleep_level", "0 = awake, 1 or 2 = asleep at that level", labels, registry=r
         )
+        self.device_memory = Gauge(
+            "kvfleet_engine_device_memory_bytes",
+            "Device memory held by the workers, by kind (weights, kv_cache)",
+            ["model_name", "kind"],
+            registry=r,
+        )
         self.healthy = Gauge("kvfleet_engine_healthy", "1 while the engine core is alive", labels, registry=r)
 
     def update_from_stats(self, s: CoreStats, healthy: bool) -> None:
@@ -95,6 +104,7 @@ class EngineMetrics:
         self.waiting.labels(m).set(s.num_waiting)
         self.kv_usage.labels(m).set(s.kv_cache_usage)
         self.num_kv_blocks.labels(m).set(s.num_kv_blocks)
+        self.num_free_kv_blocks.labels(m).set(s.num_free_kv_blocks)
         self.prefix_queries.labels(m).set(s.prefix_cache_queries)
         self.prefix_hits.labels(m).set(s.prefix_cache_hits)
         self.prefix_hit_rate.labels(m).set(
@@ -104,6 +114,8 @@ class EngineMetrics:
         self.prefill_rate.labels(m).set(s.prefill_tokens_per_s)
         self.decode_rate.labels(m).set(s.decode_tokens_per_s)
         self.sleep_level.labels(m).set(s.sleep_level)
+        self.device_memory.labels(m, "weights").set(s.weights_bytes)
+        self.device_memory.labels(m, "kv_cache").set(s.kv_cache_bytes)
         self.healthy.labels(m).set(1 if healthy else 0)
 
     def render(self) -> bytes:

@@ -1,0 +1,17 @@
+import pytest
+from server_harness import run_server
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory):
+    """One engine server on the tiny llama model for a whole test module."""
+    with run_server(
+        demo_model("llama", "tiny"), tmp_path_factory.mktemp("logs"), "--max-model-len", "512"
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
