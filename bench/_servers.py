@@ -201,8 +201,10 @@ class ServerProcess:
                     )
                 time.sleep(0.1)
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``; returns the leader's exit code."""
+    def stop(self, grace_s: float = 20.0, linger_s: float = 5.0) -> int | None:
+        """SIGTERM the process group; SIGKILL what is left of it ``grace_s`` later, or ``linger_s`` after the
+        leader exited. Returns the leader's exit code (uvicorn re-raises the signal after a graceful shutdown,
+        so a clean stop reads -15)."""
         if self.proc is None:
             return None
         pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
@@ -212,7 +214,7 @@ class ServerProcess:
             self.proc.wait(timeout=grace_s)
         # The leader may be gone while a child (an engine core) still shuts down: give the rest of the group a
         # moment after a clean leader exit, then SIGKILL whatever is left of it.
-        deadline = time.perf_counter() + (5.0 if self.proc.poll() is not None else 0.0)
+        deadline = time.perf_counter() + (linger_s if self.proc.poll() is not None else 0.0)
         while _group_alive(pgid) and time.perf_counter() < deadline:
             time.sleep(0.1)
         self.needed_sigkill = _group_alive(pgid)
