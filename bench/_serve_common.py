@@ -142,6 +142,8 @@ class RequestResult:
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
+    text: str | None = None  # the streamed text, when asked for
+    retry_after: str | None = None  # the Retry-After header of a refused request
 
 
 def _chunk_text(obj: dict[str, Any]) -> str:
@@ -162,15 +164,19 @@ def _finish_reason(obj: dict[str, Any]) -> str | None:
     return None
 
 
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
+async def stream_request(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], keep_text: bool = False
+) -> RequestResult:
     """Send one streaming request and time its chunks. Never raises for server or transport errors: they end
     up in ``error``."""
     res = RequestResult(sent=time.perf_counter())
     last: float | None = None
+    parts: list[str] = []
     try:
         async with client.stream("POST", path, json=body) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
+                res.retry_after = resp.headers.get("retry-after")
                 detail = (await resp.aread()).decode(errors="replace")[:300]
                 res.error = f"HTTP {resp.status_code}: {detail}"
                 return res
@@ -185,7 +191,9 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                 if obj.get("error"):
                     res.error = f"stream error: {str(obj['error'])[:300]}"
                     return res
-                if _chunk_text(obj):
+                text = _chunk_text(obj)
+                if text:
+                    parts.append(text)
                     if last is None:
                         res.ttft = now - res.sent
                     else:
@@ -198,6 +206,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                     res.prompt_tokens = usage.get("prompt_tokens")
                     res.output_tokens = usage.get("completion_tokens")
         res.e2e = time.perf_counter() - res.sent
+        if keep_text:
+            res.text = "".join(parts)
         if res.output_tokens is None:
             res.error = "no usage in the stream"
         elif res.ttft is None:

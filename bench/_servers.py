@@ -182,7 +182,7 @@ class ServerProcess:
                 f"log {self.log_path}:\n{self.log_tail()}"
             )
 
-    def wait_ready(self, timeout_s: float = 600.0, path: str = "/health") -> float:
+    def wait_ready(self, timeout_s: float = 600.0, path: str = "/health", poll_s: float = 0.1) -> float:
         """Poll ``path`` until it answers 200; returns seconds from process start. Raises if the process dies
         or ``timeout_s`` passes."""
         assert self.started_at is not None, "server not started"
@@ -199,7 +199,7 @@ class ServerProcess:
                         f"{self.command.kind} server not ready after {timeout_s:.0f}s; "
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
-                time.sleep(0.1)
+                time.sleep(poll_s)
 
     def stop(self, grace_s: float = 20.0, linger_s: float = 5.0) -> int | None:
         """SIGTERM the process group; SIGKILL what is left of it ``grace_s`` later, or ``linger_s`` after the

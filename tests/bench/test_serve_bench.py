@@ -219,3 +219,30 @@ def test_wait_ready_reports_a_server_that_exits(tmp_path: Path) -> None:
         pytest.raises(servers.ServerExited, match="bad flag"),
     ):
         proc.wait_ready(timeout_s=30)
+
+
+@pytest.mark.slow
+def test_sleep_wake_bench_smoke(tmp_path: Path, demo_model) -> None:
+    out = tmp_path / "sleep_wake.json"
+    argv = [
+        "--model", str(demo_model(preset="tiny")), "--cycles", "1", "--prompt-len", "12", "--output-len", "4",
+        "--max-model-len", "128", "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--startup-timeout", "120",
+    ]  # fmt: skip
+    _load("sleep_wake").main(argv)
+    data = json.loads(out.read_text())
+    assert "error" not in data, data.get("error")
+    assert "<token>" in data["server_command"] and "--admin-token" in data["server_command"]
+    cold = data["cold_start"]
+    assert 0 < cold["ready_s"] < cold["to_first_token_s"]
+    assert [c["level"] for c in data["cycles"]] == [1, 2]
+    for level in ("1", "2"):
+        s = data["levels"][level]
+        assert s["outputs_identical"] and s["refused_while_asleep"]
+        assert s["sleep_s"] > 0 and s["wake_s"] > 0 and s["wake_to_first_token_s"] > s["wake_s"]
+        assert s["speedup_vs_cold_start"] == pytest.approx(
+            cold["to_first_token_s"] / s["wake_to_first_token_s"]
+        )
+        assert s["freed_median"]["device_memory_kv_cache"] > 0  # both levels drop the KV cache
+    assert data["levels"]["2"]["freed_median"]["device_memory_weights"] > 0  # level 2 discards the weights
+    assert all(c["is_sleeping_while_asleep"] is True for c in data["cycles"])
+    assert data["needed_sigkill"] is False and isinstance(data["target_met"], bool)
