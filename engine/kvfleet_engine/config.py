@@ -121,6 +121,45 @@ def _read_json(p: Path) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+def _check_parallel(mc: ModelConfig, device: str, tp: int, pp: int, backend: str | None) -> str:
+    """Reject TP/PP sizes the model cannot be split by, with the reason; returns the executor backend."""
+    for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    if mc.num_attention_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's {mc.num_attention_heads} attention heads"
+        )
+    kv = mc.num_key_value_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(
+            f"tensor_parallel_size={tp} and the model's {kv} KV heads must divide one another "
+            "(KV heads are split across ranks, or replicated when there are fewer than ranks)"
+        )
+    if mc.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the MLP size {mc.intermediate_size}")
+    if pp > mc.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} exceeds the model's {mc.num_hidden_layers} layers "
+            "(every stage needs at least one)"
+        )
+    world = tp * pp
+    if device.startswith("cuda"):
+        available = torch.cuda.device_count()
+        _, _, index = device.partition(":")
+        if int(index or 0) + world > available:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} GPUs, found {available}"
+            )
+    if backend is None:
+        backend = "uni" if world == 1 else "mp"
+    if backend not in ("uni", "mp"):
+        raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+    if backend == "uni" and world > 1:
+        raise ValueError(f"{world} ranks (TP x PP) need distributed_executor_backend='mp'")
+    return backend
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -139,6 +178,8 @@ class EngineConfig:
     attention_backend: str
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni": the worker runs in the engine's process; "mp": one process per TP x PP rank.
+    distributed_executor_backend: str = "uni"
 
     @classmethod
     def create(
@@ -159,6 +200,7 @@ class EngineConfig:
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ) -> EngineConfig:
         mc = ModelConfig.from_dir(model)
         if device == "auto":
@@ -193,10 +235,9 @@ class EngineConfig:
             attention_backend = "triton" if device.startswith("cuda") else "torch"
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-            raise ValueError(
-                "tensor/pipeline parallelism needs the multiprocess executor (not available yet)"
-            )
+        distributed_executor_backend = _check_parallel(
+            mc, device, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend
+        )
         return cls(
             model=mc,
             dtype=resolve_dtype(dtype, mc.torch_dtype, device),
@@ -214,6 +255,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
         )
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvfleet_engine.config import EngineConfig
@@ -10,16 +11,27 @@ from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
+    # Called (from a monitor thread) with a message when the workers fail for good; set by the owner.
+    failure_callback: Callable[[str], None] | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     @classmethod
     def for_config(cls, config: EngineConfig, use_tqdm: bool = True) -> Executor:
-        if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        """In-process for one rank (unless ``distributed_executor_backend="mp"``), else one process per rank."""
+        if config.distributed_executor_backend == "uni":
             from kvfleet_engine.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(config, use_tqdm=use_tqdm)
-        raise NotImplementedError("multiprocess executor (tensor/pipeline parallel) is not available yet")
+        from kvfleet_engine.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, use_tqdm=use_tqdm)
+
+    @property
+    def is_failed(self) -> bool:
+        """True once the workers are gone for good (the engine must stop)."""
+        return False
 
     @property
     def max_concurrent_batches(self) -> int:

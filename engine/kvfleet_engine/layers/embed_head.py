@@ -20,9 +20,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        part = loaded[self.vocab_start : self.vocab_start + self.shard_size]
-        param.data[: part.shape[0]].copy_(part)
-        param.data[part.shape[0] :].zero_()
+        # The last shard may be short (vocab not divisible by the TP size): pad it with zero rows.
+        rows = max(0, min(self.shard_size, loaded.shape[0] - self.vocab_start))
+        if rows:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        param.data[rows:].zero_()
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,7 +1,8 @@
 """Linear layers that know how to load (and tensor-parallel shard) their own weights.
 
 Every parameter carries a ``weight_loader(param, loaded, shard_id=None)``: the model loader calls it
-with the checkpoint tensor and the layer copies in the slice that belongs to this rank. Fused
+with the checkpoint tensor (a tensor or a lazy slice: only ``narrow`` and ``full_tensor`` are used on
+it) and the layer copies in the slice that belongs to this rank. Fused
 layers (q/k/v, gate/up) take their parts by ``shard_id``.
 """
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from kvfleet_engine.models.loader import full_tensor
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -34,7 +36,7 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        param.data.copy_(full_tensor(loaded))
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -104,7 +106,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not split
-            param.data.copy_(loaded)
+            param.data.copy_(full_tensor(loaded))
             return
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))

@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2: the same block; Qwen2 adds q/k/v biases)."""
+"""Llama-family decoder (Llama, Mistral, Qwen2: the same block; Qwen2 adds q/k/v biases).
+
+Under pipeline parallelism each stage builds only its own layers (others are placeholders that keep
+the checkpoint's layer indices), the first stage the embedding, the last the final norm and LM head.
+A stage that is not the last returns its hidden state and residual stacked as ``[2, T, hidden]``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from torch import nn
 
 from kvfleet_engine.config import ModelConfig
+from kvfleet_engine.distributed import get_parallel_state, stage_layer_range
 from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvfleet_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -70,18 +76,39 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands in for a module another pipeline stage owns."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_parallel_state()
+        self.start_layer, self.end_layer = stage_layer_range(cfg.num_hidden_layers, pp.pp_rank, pp.pp_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_stage else PPMissingLayer()
+        )
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            [
+                LlamaDecoderLayer(cfg, rotary) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                for i in range(cfg.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_stage else PPMissingLayer()
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(token_ids), None
-        for layer in self.layers:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``intermediate``: the previous stage's ``[2, T, hidden]`` output (None on the first stage)."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(token_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, residual = layer(positions, x, residual)
+        if isinstance(self.norm, PPMissingLayer):
+            return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
         return x
 
@@ -100,12 +127,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        last = get_parallel_state().is_last_stage
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last else PPMissingLayer()
+        if cfg.tie_word_embeddings and last and isinstance(self.model.embed_tokens, VocabParallelEmbedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, positions)
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(token_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

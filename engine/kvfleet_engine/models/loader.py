@@ -1,7 +1,9 @@
 """Load safetensors checkpoints (single file or sharded with an index) into a model.
 
 Each parameter's own ``weight_loader`` decides what slice it keeps (tensor parallelism) and the
-copy converts dtype. Every parameter must be filled: a missing tensor is an error naming it.
+copy converts dtype. Loaders receive a :class:`LazySlice`: only the rows/columns a rank keeps are read
+from the file, and tensors of layers another pipeline stage owns are never read at all. Every
+parameter of this rank's model must be filled: a missing tensor is an error naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,31 @@ logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the engine recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LazySlice:
+    """A checkpoint tensor not read yet; ``narrow``/``full`` read just what they return."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, safetensors_slice) -> None:
+        self._slice = safetensors_slice
+        self.shape = tuple(safetensors_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)]
+
+
+def full_tensor(loaded: torch.Tensor | LazySlice) -> torch.Tensor:
+    return loaded.full() if isinstance(loaded, LazySlice) else loaded
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -48,7 +75,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, use_tqdm: bool = True)
         parts = [k for k, (fused, _) in packed.items() if f".{fused}." in name]
         expected[name] = len(parts) or 1
     loaded: dict[str, int] = dict.fromkeys(params, 0)
-    device = next(iter(params.values())).device
+    tied_head_only = tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
 
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
@@ -64,20 +91,23 @@ def load_weights(model: nn.Module, model_dir: str | Path, use_tqdm: bool = True)
                         name, shard_id = ckpt_name.replace(f".{part}.", f".{fused}."), sid
                         break
                 param = params.get(name)
+                if param is None and tied_head_only and name == "model.embed_tokens.weight":
+                    # A last pipeline stage without the embedding still needs it as its LM head.
+                    name, param = "lm_head.weight", params["lm_head.weight"]
                 if param is None:
                     logger.debug("ignoring checkpoint tensor %s (no such parameter)", ckpt_name)
                     continue
-                tensor = handle.get_tensor(ckpt_name).to(device)
+                tensor = LazySlice(handle.get_slice(ckpt_name))
                 loader = getattr(param, "weight_loader", None)
                 with torch.no_grad():
                     if loader is None:
-                        param.data.copy_(tensor)
+                        param.data.copy_(tensor.full())
                     elif shard_id is None:
                         loader(param, tensor)
                     else:
                         loader(param, tensor, shard_id)
                 loaded[name] += 1
-    if tied:
+    if tied and "lm_head.weight" in params and not tied_head_only:
         loaded["lm_head.weight"] = expected.get("lm_head.weight", 1)
     missing = sorted(n for n, c in loaded.items() if c < expected[n])
     if missing:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 import torch
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvfleet_engine.distributed import StageLink, get_parallel_state
 from kvfleet_engine.forward_context import AttentionMetadata, set_attn_metadata
 from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.sampler import Sampler
@@ -52,6 +54,13 @@ class ModelRunner:
         self.num_blocks = 0
         # Every running request's state, including ones not scheduled (so not in the batch) this step.
         self.requests: dict[str, CachedRequestState] = {}
+        self.parallel = get_parallel_state()
+        # Under pipeline parallelism only the last stage samples: every stage instead learns the
+        # sampled tokens from the executor (``new_token_ids``) before the request's next step.
+        self.append_sampled = self.parallel.pp_size == 1
+        self.stage_link = StageLink() if self.parallel.pp_size > 1 else None
+        # (start, end) perf_counter times of this worker's compute per step (not waiting for input).
+        self.busy_intervals: deque[tuple[float, float]] = deque(maxlen=4096)
 
     def _load_model(self, use_tqdm: bool) -> torch.nn.Module:
         cfg = self.config
@@ -130,8 +139,26 @@ class ModelRunner:
             batch.add_request(state)
         batch.condense()
 
+    def _append_new_tokens(self, new_token_ids: dict[str, list[int]]) -> None:
+        """Tokens sampled (by the last pipeline stage) since this worker last heard of the request."""
+        for rid, tokens in new_token_ids.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue  # finished or preempted meanwhile
+            i = self.batch.req_id_to_index.get(rid)
+            for tok in tokens:
+                if i is None:
+                    state.output_token_ids.append(tok)
+                else:
+                    self.batch.append_token(i, tok)
+
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, new_token_ids: dict[str, list[int]] | None = None
+    ) -> ModelRunnerOutput | None:
+        """One step; returns None on a pipeline stage that is not the last (it sends, not samples)."""
+        if new_token_ids:
+            self._append_new_tokens(new_token_ids)
         self._update_states(sched)
         n = self.batch.num_reqs
         if n == 0:
@@ -140,10 +167,21 @@ class ModelRunner:
             [sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32
         )
         input_ids, positions, meta, logits_idx = self._prepare_inputs(q_lens)
+        intermediate = None
+        if not self.parallel.is_first_stage:
+            shape = (2, int(input_ids.shape[0]), self.config.model.hidden_size)
+            intermediate = self.stage_link.recv(shape, self.config.dtype, self.device)
+        t0 = time.perf_counter()
         with set_attn_metadata(meta):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, intermediate)
+        if not self.parallel.is_last_stage:
+            self.stage_link.send(hidden)
+            self.busy_intervals.append((t0, time.perf_counter()))
+            return None
         logits = self.model.compute_logits(hidden[logits_idx])
-        return self._sample(logits, q_lens)
+        out = self._sample(logits, q_lens)
+        self.busy_intervals.append((t0, time.perf_counter()))
+        return out
 
     def _prepare_inputs(self, q_lens: np.ndarray):
         """Token ids, positions, attention metadata and logits indices for this step, built with numpy."""
@@ -203,7 +241,8 @@ class ModelRunner:
         sampled_lists: list[list[int]] = []
         for i in range(n):
             if completes[i]:
-                batch.append_token(i, sampled[i])
+                if self.append_sampled:
+                    batch.append_token(i, sampled[i])
                 sampled_lists.append([sampled[i]])
             else:
                 sampled_lists.append([])

@@ -67,10 +67,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, new_token_ids: dict[str, list[int]] | None = None
+    ) -> ModelRunnerOutput | None:
         if self.asleep:
             raise RuntimeError(f"worker is asleep ({', '.join(sorted(self.asleep))} released): wake it first")
-        return self.runner.execute_model(sched)
+        return self.runner.execute_model(sched, new_token_ids)
 
     # ---- sleep / wake ---------------------------------------------------------------------------
 
