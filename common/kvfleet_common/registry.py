@@ -23,11 +23,13 @@ not Redis Cluster.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import redis
 import redis.asyncio
 import redis.exceptions
@@ -42,10 +44,12 @@ from kvfleet_common.schemas import (
     encode_json,
 )
 
+logger = logging.getLogger(__name__)
+
 HASH_BYTES = 16
 EVENT_BATCH = 1000  # events per apply call: bounds the time one script holds Redis
 UPLOAD_CHUNK = 1000  # members per SADD while uploading a resync
-MATCH_CHUNK = 128  # hashes per SMISMEMBER inside prefix_match (stops at the first miss)
+MATCH_CHUNK = 256  # most hashes per SMISMEMBER in prefix_match (chunks grow from 16; stop at the first miss)
 
 KVEvent = tuple[str, bytes | None]  # ("stored", h) | ("removed", h) | ("cleared", None)
 
@@ -231,12 +235,13 @@ if ARGV[1] == 'model' then
 else
   sets = KEYS
 end
-local chunk = tonumber(ARGV[3])
+local max_chunk = tonumber(ARGV[3])
 local counts = {}
 for i, set in ipairs(sets) do
-  local n, pos, done = 0, 4, false
+  local n, pos, done, chunk = 0, 4, false, 16
   while pos <= #ARGV and not done do
     local last = math.min(pos + chunk - 1, #ARGV)
+    chunk = math.min(chunk * 2, max_chunk)
     local flags = redis.call('SMISMEMBER', set, unpack(ARGV, pos, last))
     for _, f in ipairs(flags) do
       if f == 1 then n = n + 1 else done = true; break end
@@ -500,7 +505,10 @@ def op_live_replicas(model: str) -> Op:
     out = []
     for flat in replies:
         fields = dict(zip(flat[::2], flat[1::2]))
-        out.append(Heartbeat.from_redis_fields(fields))
+        try:
+            out.append(Heartbeat.from_redis_fields(fields))
+        except msgspec.ValidationError as e:  # one bad writer must not hide the model's other replicas
+            logger.warning("ignoring malformed heartbeat %r: %s", fields.get(b"replica_id"), e)
     out.sort(key=lambda hb: hb.replica_id)
     return out
 

@@ -89,6 +89,13 @@ def test_heartbeat_liveness_expires_with_ttl_and_prunes(reg):
     assert not reg.client.exists(keys.replica_blocks("a#1"), keys.replica_name("a"))  # same lifetime
 
 
+def test_a_malformed_heartbeat_does_not_hide_the_others(reg):
+    register(reg, "good#1")
+    register(reg, "bad#1")
+    reg.client.hset(keys.replica("bad#1"), "state", "hibernating")  # e.g. written by a newer engine
+    assert [hb.replica_id for hb in reg.live_replicas(MODEL)] == ["good#1"]
+
+
 def test_kv_events_apply_in_order_with_sequence_numbers(reg):
     register(reg, "a#1")
     h = [bytes([i]) * 16 for i in range(6)]
