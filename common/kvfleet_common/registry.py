@@ -199,11 +199,17 @@ redis.call('HSET', KEYS[1], 'kv_seq_applied', last)
 return {1, last}
 """
 
-# KEYS: heartbeat, blocks, resync. ARGV: seq ('' = keep). -> {1, seq} replaced; {-1, 0} no heartbeat.
+# KEYS: heartbeat, blocks, resync. ARGV: seq ('' = keep), number of hashes staged.
+# -> {1, seq} replaced; {-1, 0} no heartbeat; {-3, found} the staging set is incomplete (expired or lost).
 _REPLACE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('UNLINK', KEYS[3])
   return {-1, 0}
+end
+local found = redis.call('SCARD', KEYS[3])
+if found ~= tonumber(ARGV[2]) then
+  redis.call('UNLINK', KEYS[3])
+  return {-3, found}
 end
 redis.call('UNLINK', KEYS[2])
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -411,14 +417,14 @@ class KVApplyResult:
 
     ok: bool
     seq: int  # the index's kv_seq_applied after the call (0 when unknown)
-    reason: Literal["applied", "duplicate", "no-heartbeat", "gap"]
+    reason: Literal["applied", "duplicate", "no-heartbeat", "gap", "incomplete"]
 
     @property
     def resync_needed(self) -> bool:
         return not self.ok
 
 
-_APPLY_REASONS = {1: "applied", 0: "duplicate", -1: "no-heartbeat", -2: "gap"}
+_APPLY_REASONS = {1: "applied", 0: "duplicate", -1: "no-heartbeat", -2: "gap", -3: "incomplete"}
 
 
 def op_publish_heartbeat(hb: Heartbeat, ttl: float) -> Op:
@@ -478,21 +484,34 @@ def op_apply_kv_events(replica_id: str, events: Sequence[KVEvent], first_seq: in
     return KVApplyResult(status >= 0, int(seq), _APPLY_REASONS[status])  # type: ignore[arg-type]
 
 
-def op_replace_blocks(replica_id: str, hashes: Iterable[bytes], seq: int | None) -> Op:
+def op_stage_blocks(replica_id: str, hashes: Sequence[bytes], fresh: bool) -> Op:
+    """Upload part of a resync to the staging set (``fresh`` starts a new one), one pipeline."""
     hashes = _check_hashes(hashes)
     staging = keys.replica_resync(replica_id)
-    upload: list[tuple[Any, ...]] = [("UNLINK", staging)]
+    upload: list[tuple[Any, ...]] = [("UNLINK", staging)] if fresh else []
     for i in range(0, len(hashes), UPLOAD_CHUNK):
         upload.append(("SADD", staging, *hashes[i : i + UPLOAD_CHUNK]))
     upload.append(("PEXPIRE", staging, _ttl_ms(keys.RESYNC_STAGING_TTL_S)))
     yield Batch(upload)
+
+
+def op_commit_staged(replica_id: str, num_hashes: int, seq: int | None) -> Op:
+    """Swap the staging set onto the block index if it holds exactly ``num_hashes`` distinct hashes."""
     rid = replica_id
-    status, applied = yield Eval(
-        REPLACE, [keys.replica(rid), keys.replica_blocks(rid), staging], ["" if seq is None else seq]
+    status, value = yield Eval(
+        REPLACE,
+        [keys.replica(rid), keys.replica_blocks(rid), keys.replica_resync(rid)],
+        ["" if seq is None else seq, num_hashes],
     )
-    if status == -1:
-        return KVApplyResult(False, 0, "no-heartbeat")
-    return KVApplyResult(True, int(applied), "applied")
+    if status < 0:
+        return KVApplyResult(False, int(value), _APPLY_REASONS[status])  # type: ignore[arg-type]
+    return KVApplyResult(True, int(value), "applied")
+
+
+def op_replace_blocks(replica_id: str, hashes: Iterable[bytes], seq: int | None) -> Op:
+    unique = list(dict.fromkeys(_check_hashes(hashes)))
+    yield from op_stage_blocks(replica_id, unique, fresh=True)
+    return (yield from op_commit_staged(replica_id, len(unique), seq))
 
 
 def op_get_heartbeat(replica_id: str) -> Op:
@@ -725,6 +744,16 @@ class _Registry:
         """Full resync: the block index becomes exactly ``hashes`` (uploaded in chunks, swapped in
         atomically) and ``kv_seq_applied`` becomes ``seq``."""
         return self._run(op_replace_blocks(replica_id, hashes, seq))
+
+    def stage_blocks(self, replica_id: str, hashes: Sequence[bytes], fresh: bool = False) -> None:
+        """Upload part of a resync (for snapshots too large for one call; ``replace_replica_blocks``
+        is stage + commit). ``fresh=True`` discards a previous partial upload."""
+        return self._run(op_stage_blocks(replica_id, hashes, fresh))
+
+    def commit_staged_blocks(self, replica_id: str, num_hashes: int, seq: int | None = None) -> KVApplyResult:
+        """Make the staged upload the block index, if it holds exactly ``num_hashes`` distinct hashes
+        (else ``incomplete``: staging expired or Redis lost it; start again)."""
+        return self._run(op_commit_staged(replica_id, num_hashes, seq))
 
     def get_heartbeat(self, replica_id: str) -> Heartbeat | None:
         return self._run(op_get_heartbeat(replica_id))

@@ -36,6 +36,8 @@ from kvfleet_common.schemas import REPLICA_STATES, Heartbeat, ReplicaStats
 
 logger = logging.getLogger(__name__)
 
+SNAPSHOT_SLICE = 50_000  # hashes staged per round trip: a huge snapshot never delays a heartbeat long
+
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
@@ -48,7 +50,8 @@ class _Events:
 @dataclass(slots=True)
 class _Snapshot:
     seq: int  # the last event the snapshot reflects
-    hashes: list[bytes]
+    hashes: list[bytes]  # distinct
+    uploaded: int = 0  # hashes already staged in Redis; uploads resume here between heartbeats
 
 
 class PresencePublisher:
@@ -174,7 +177,7 @@ class PresencePublisher:
 
     def push_snapshot(self, hashes: Iterable[bytes]) -> None:
         """Every block hash the engine caches now (after all events pushed so far); replaces the index."""
-        snapshot = list(hashes)
+        snapshot = list(dict.fromkeys(hashes))
         with self._cond:
             self._discard_queue_locked()
             self._queue.append(_Snapshot(self._seq, snapshot))
@@ -322,18 +325,36 @@ class PresencePublisher:
                         self.replica_id, item.events, first_seq=item.first_seq
                     )
                 else:
-                    result = self._registry.replace_replica_blocks(self.replica_id, item.hashes, seq=item.seq)
+                    result = self._upload_snapshot_step(item)
             except _REDIS_ERRORS:
-                with self._cond:  # put it back unless the queue was discarded meanwhile
-                    if generation == self._generation:
-                        self._queue.appendleft(item)
-                        if isinstance(item, _Events):
-                            self._queued_events += len(item.events)
+                if isinstance(item, _Snapshot):
+                    item.uploaded = 0  # what was staged may be gone: upload again from the start
+                self._requeue(item, generation)
                 raise
+            if result is None:  # a large snapshot, partly uploaded: continue after the next heartbeat
+                self._requeue(item, generation)
+                continue
             if result.resync_needed:
                 self._request_resync(
                     f"the KV index refused a write ({result.reason}, index at {result.seq})", generation
                 )
+
+    def _upload_snapshot_step(self, snap: _Snapshot):
+        """Stage the next slice of a snapshot; commit once all is staged. None while unfinished."""
+        if snap.uploaded < len(snap.hashes) or not snap.hashes:
+            part = snap.hashes[snap.uploaded : snap.uploaded + SNAPSHOT_SLICE]
+            self._registry.stage_blocks(self.replica_id, part, fresh=snap.uploaded == 0)
+            snap.uploaded += len(part)
+            if snap.uploaded < len(snap.hashes):
+                return None
+        return self._registry.commit_staged_blocks(self.replica_id, len(snap.hashes), seq=snap.seq)
+
+    def _requeue(self, item: _Events | _Snapshot, generation: int) -> None:
+        with self._cond:  # put it back at the front, unless the queue was discarded meanwhile
+            if generation == self._generation:
+                self._queue.appendleft(item)
+                if isinstance(item, _Events):
+                    self._queued_events += len(item.events)
 
     def _shutdown(self) -> None:
         try:

@@ -146,6 +146,20 @@ def test_full_resync_replaces_the_index_in_chunks(reg):
     assert not reg.client.exists(keys.replica_resync("nobody#1"), keys.replica_blocks("nobody#1"))
 
 
+def test_staged_upload_commits_only_when_complete(reg):
+    register(reg, "a#1")
+    hashes = [hashlib.md5(str(i).encode()).digest() for i in range(30)]
+    reg.stage_blocks("a#1", hashes[:10], fresh=True)
+    reg.stage_blocks("a#1", hashes[10:])
+    assert reg.commit_staged_blocks("a#1", 30, seq=7).ok and members(reg, "a#1") == set(hashes)
+    reg.stage_blocks("a#1", hashes[:10], fresh=True)
+    reg.client.srem(keys.replica_resync("a#1"), hashes[0])  # e.g. staging expired or Redis restarted
+    res = reg.commit_staged_blocks("a#1", 10, seq=9)
+    assert (res.resync_needed, res.reason, res.seq) == (True, "incomplete", 9)
+    assert members(reg, "a#1") == set(hashes) and reg.get_heartbeat("a#1").kv_seq_applied == 7  # untouched
+    assert not reg.client.exists(keys.replica_resync("a#1"))
+
+
 def test_prefix_match_counts_leading_blocks_with_gaps_and_salts(reg):
     tokens = list(range(40))  # 10 blocks of 4
     shared = hash_blocks(tokens, BS)

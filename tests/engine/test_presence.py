@@ -11,6 +11,7 @@ from kvfleet_common import redis_keys as keys
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.registry import Registry
 from kvfleet_common.schemas import ReplicaStats
+from kvfleet_engine import presence
 from kvfleet_engine.core.block_pool import BlockPool
 from kvfleet_engine.presence import PresencePublisher
 
@@ -221,6 +222,22 @@ def test_push_never_waits_for_a_hung_redis(redis_server, reg):
         wait_for(lambda: not rep.pub.connected, what="the publisher's write timing out")
         redis_server.restart()  # the only way out of a 10-minute pause (Redis 7.0 pauses UNPAUSE too)
         wait_for(lambda: in_sync(rep, reg), what="index after the hang")
+    finally:
+        rep.pub.stop()
+
+
+def test_large_snapshot_uploads_in_slices_between_heartbeats(redis_server, reg, monkeypatch):
+    monkeypatch.setattr(presence, "SNAPSHOT_SLICE", 7)
+    rep = Replica(redis_server.url, blocks=256)
+    for i in range(10):
+        rep.serve(list(range(100 * i, 100 * i + 64)), keep=True)  # 160 blocks, held
+    rep.pub.start()
+    try:
+        wait_for(lambda: in_sync(rep, reg), what="index")
+        reg.client.delete(keys.replica_blocks(rep.pub.replica_id))  # lose the index behind its back ...
+        rep.pub.push_snapshot(list(rep.pool.cached_blocks))  # ... and resend it: 23 slices
+        wait_for(lambda: in_sync(rep, reg), what="index after a sliced snapshot")
+        assert len(index(reg, rep.pub.replica_id)) == 160
     finally:
         rep.pub.stop()
 
