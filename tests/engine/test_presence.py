@@ -253,3 +253,38 @@ def test_bad_arguments_are_rejected_early(redis_server):
                             stats=ReplicaStats)  # fmt: skip
     with pytest.raises(ValueError, match="unknown replica state"):
         pub.set_state("asleep")
+
+
+def test_real_engine_blocks_are_found_by_gateway_side_hashes(redis_server, reg, demo_model):
+    """The whole contract: the engine caches a prompt, the gateway hashes the same tokens and finds it."""
+    from kvfleet_engine import LLM, SamplingParams
+
+    llm = LLM(demo_model(arch="llama"), use_tqdm=False, max_model_len=256, block_size=8)
+    pub = PresencePublisher(
+        redis_server.url, name="llm-0", model=MODEL, base_url="http://llm-0:8000", block_size=8, max_model_len=256,
+        stats=ReplicaStats, heartbeat_interval=0.1, ttl=2.0,
+    )  # fmt: skip
+    pool = llm.engine.scheduler.kv.block_pool
+    pool.on_event = pub.push_kv_events  # what EngineCore(on_kv_event=...) wires in the core process
+    pub.start()
+    try:
+        prompt = "The river flows past the old mill and the quiet town, carrying leaves toward the sea."
+        llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        token_ids = llm.tokenizer.encode(prompt)
+        hashes = hash_blocks(token_ids, 8)
+        assert len(hashes) >= 2
+        expected = len(hashes)
+        found = wait_for(
+            lambda: (
+                reg.prefix_match(MODEL, hashes, [pub.replica_id])[pub.replica_id] == expected and expected
+            ),
+            what="the engine's prompt blocks in the index",
+        )
+        assert found == expected
+        # another tenant's salt names different blocks: no cross-tenant hit
+        assert reg.prefix_match(MODEL, hash_blocks(token_ids, 8, salt="tenant-b"), [pub.replica_id]) == {
+            pub.replica_id: 0
+        }
+        assert index(reg, pub.replica_id) == set(pool.cached_blocks)
+    finally:
+        pub.stop()
