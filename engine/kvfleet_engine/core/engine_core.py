@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvfleet_engine.config import EngineConfig
@@ -82,6 +84,9 @@ class EngineCore:
             config.max_model_len,
             config.scheduling_policy,
         )
+        # Pipeline parallelism: steps submitted to the workers whose outputs are not applied yet.
+        self._batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
+        self.scheduler.pipeline_depth = self.executor.max_concurrent_batches
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -98,9 +103,15 @@ class EngineCore:
 
     def has_pending_work(self) -> bool:
         """Unfinished requests, or finished ones the workers have not been told to forget yet."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.scheduler.finished_req_ids)
+            or bool(self._batch_queue)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.scheduler.pipeline_depth > 1:
+            return self._step_with_batch_queue()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return []
@@ -108,6 +119,32 @@ class EngineCore:
         runner_out = self.executor.execute_model(sched)
         self.rates.record(sched, self.scheduler.requests, time.perf_counter() - t0)
         return self.scheduler.update_from_output(sched, runner_out)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Keep up to ``pipeline_depth`` steps in flight so every pipeline stage has work.
+
+        While the queue has room and something can be scheduled, submit a new step and return []
+        (the caller steps again). Otherwise wait for the oldest step and apply its output. Requests
+        in a step in flight are not scheduled again until its output is applied.
+        """
+        queue, scheduler = self._batch_queue, self.scheduler
+        if len(queue) < scheduler.pipeline_depth:
+            sched = scheduler.schedule()
+            if not (sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids):
+                future = self.executor.execute_model(sched, non_block=True)
+                queue.append((sched, future, time.perf_counter()))
+                scheduler.in_flight.update(sched.num_scheduled_tokens)
+                if not sched.is_empty and len(queue) < scheduler.pipeline_depth:
+                    return []
+        if not queue:
+            return []
+        sched, future, t0 = queue.popleft()
+        try:
+            runner_out = future.result()
+        finally:
+            scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
+        self.rates.record(sched, scheduler.requests, time.perf_counter() - t0)
+        return scheduler.update_from_output(sched, runner_out)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

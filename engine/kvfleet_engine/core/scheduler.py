@@ -119,6 +119,11 @@ class Scheduler:
         # Requests the workers still hold state for and must drop at the next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Pipeline parallelism: requests whose step is still in flight are neither scheduled again
+        # nor preempted until its output is back; each step takes about 1/depth of the running ones
+        # so that `depth` steps can be in the pipeline at once. Depth 1: step by step (no effect).
+        self.in_flight: set[str] = set()
+        self.pipeline_depth = 1
 
     # ---- admission and abort -------------------------------------------------------------------
 
@@ -170,8 +175,14 @@ class Scheduler:
 
         # 1. Running requests, in order; preempt from the back when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        share = len(self.running)
+        if self.pipeline_depth > 1:
+            share = -(-len(self.running) // self.pipeline_depth)
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < share:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # Never feed a position at or past max_model_len.
             n = min(n, self.max_model_len - req.num_computed_tokens)
@@ -247,13 +258,11 @@ class Scheduler:
         return out
 
     def _pick_victim_index(self) -> int:
-        """FCFS: the last admitted. Priority: the lowest priority, latest arrival."""
+        """FCFS: the last admitted. Priority: the lowest priority, latest arrival. Never one in flight."""
+        candidates = [j for j in range(len(self.running)) if self.running[j].request_id not in self.in_flight]
         if self.policy == "priority":
-            return max(
-                range(len(self.running)),
-                key=lambda j: (self.running[j].priority, self.running[j].arrival_time),
-            )
-        return len(self.running) - 1
+            return max(candidates, key=lambda j: (self.running[j].priority, self.running[j].arrival_time))
+        return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

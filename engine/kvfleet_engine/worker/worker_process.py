@@ -86,6 +86,10 @@ class _Handler:
     def pid(self) -> int:
         return os.getpid()
 
+    def num_request_states(self) -> int:
+        """Requests this rank still keeps state for (0 when the engine is idle: nothing leaked)."""
+        return len(self.worker.runner.requests)
+
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
