@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -109,6 +110,8 @@ class DrainingServer(uvicorn.Server):
                 task = asyncio.get_running_loop().create_task(_set_draining(state.engine))
                 self._tasks.add(task)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutting down; a completed drain is a clean exit.
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 async def _set_draining(engine) -> None:

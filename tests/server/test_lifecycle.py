@@ -1,0 +1,195 @@
+"""The ugly cases: clients vanishing mid-stream, sleep/wake under traffic, a dead core, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import alive, run_server
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story about bread."}]}
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def all_blocks_free(server) -> bool:
+    m = server.metrics()
+    label = '{model_name="tiny"}'
+    return (
+        m[f"kvfleet_engine_num_requests_running{label}"] == 0
+        and m[f"kvfleet_engine_num_requests_waiting{label}"] == 0
+        and m[f"kvfleet_engine_kv_cache_free_blocks{label}"]
+        == m[f"kvfleet_engine_kv_cache_blocks{label}"] - 1
+    )
+
+
+def test_fifty_streams_cut_at_random_points_free_every_block(server):
+    rng = random.Random(0)
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        cut_after = rng.randint(0, 12)  # 0: gone before the first token
+        body = {**CHAT, "max_tokens": 64, "stream": True, "ignore_eos": True, "n": 1 + i % 3}
+        body["messages"] = [{"role": "user", "content": f"story {i} " + "about bread " * (i % 7 * 5)}]
+        async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen > cut_after:
+                        break  # leaving the block closes the connection mid-stream
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(one(i, client) for i in range(50)))
+
+    asyncio.run(main())
+    assert wait_until(lambda: all_blocks_free(server)), server.metrics()
+    # and the server still works
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.3)
+    assert wait_until(lambda: all_blocks_free(server)), server.metrics()
+
+
+def completion(server, **kw) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "The history of computing", "max_tokens": 12, "temperature": 0, **kw}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_releases_memory_and_wake_restores_outputs(server, level):
+    before = completion(server).json()["choices"][0]["text"]
+    weights = server.metric("kvfleet_engine_device_memory_bytes", kind="weights")
+    kv = server.metric("kvfleet_engine_device_memory_bytes", kind="kv_cache")
+    assert weights > 0 and kv > 0
+
+    # a request in flight when sleep arrives is ended cleanly (error event), not hung
+    stream_result: dict = {}
+
+    def long_stream() -> None:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            stream_result["lines"] = [line for line in r.iter_lines() if line]
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    time.sleep(0.5)
+    r = httpx.post(f"{server.url}/sleep?level={level}", headers=server.admin_headers, timeout=60)
+    assert r.status_code == 200, r.text
+    t.join(30)
+    assert not t.is_alive()
+    assert stream_result["lines"][-1] == "data: [DONE]"
+
+    assert httpx.get(f"{server.url}/is_sleeping", headers=server.admin_headers).json() == {
+        "is_sleeping": True
+    }
+    assert httpx.get(f"{server.url}/health").json()["state"] == "sleeping"
+    assert server.metric("kvfleet_engine_device_memory_bytes", kind="kv_cache") == 0
+    if level == 2:
+        assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") == 0
+    else:
+        # on CPU the host *is* the device: level 1 keeps the weights where they are, frees the KV cache
+        assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") == weights
+    assert server.metric("kvfleet_engine_sleep_level") == level
+
+    asleep = completion(server)
+    assert asleep.status_code == 503 and asleep.headers["retry-after"]
+    assert asleep.json()["error"]["code"] == "model_sleeping"
+    # sleeping twice is harmless
+    assert httpx.post(f"{server.url}/sleep?level={level}", headers=server.admin_headers).status_code == 200
+
+    # wake in two steps, as an RLHF loop would
+    r = httpx.post(f"{server.url}/wake_up?tags=weights", headers=server.admin_headers, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "sleeping"
+    assert completion(server).status_code == 503
+    r = httpx.post(f"{server.url}/wake_up?tags=kv_cache", headers=server.admin_headers, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "awake"
+    assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") == weights
+    assert server.metric("kvfleet_engine_device_memory_bytes", kind="kv_cache") == kv
+    after = completion(server)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
+    assert all_blocks_free(server)
+
+
+def test_dead_core_turns_health_red_and_requests_fail_fast(demo_model, tmp_path):
+    with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "2048") as server:
+        core = server.core_pid()
+        lines: list[str] = []
+        streaming = threading.Event()
+
+        def in_flight() -> None:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streaming.set()
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        assert streaming.wait(20)
+        os.kill(core, signal.SIGKILL)
+        t.join(20)
+        assert not t.is_alive(), "a stream hung after the core died"
+        assert '"error"' in lines[-2] and "engine" in lines[-2] and lines[-1] == "data: [DONE]"
+        assert not any('"finish_reason":"length"' in line for line in lines)
+
+        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=10)
+        t0 = time.monotonic()
+        r = completion(server)
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+        assert server.metric("kvfleet_engine_healthy") == 0
+        assert not alive(core)
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits(demo_model, tmp_path):
+    with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "256") as server:
+        result: dict = {}
+
+        def in_flight() -> None:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                result["lines"] = [line for line in r.iter_lines() if line]
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert result["lines"][-1] == "data: [DONE]"
+        finishes = [line for line in result["lines"] if '"finish_reason":"length"' in line]
+        assert finishes, result["lines"][-3:]  # it ran to completion, not aborted
+        assert server.proc.wait(30) == 0
+        assert "draining" in server.log()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health", timeout=2)
+        for pid in server.descendants:
+            assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived the server"
+
+
+def test_parent_sigkill_takes_the_core_down(demo_model, tmp_path):
+    with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "256") as server:
+        core = server.core_pid()
+        server.proc.kill()
+        server.proc.wait(10)
+        assert wait_until(lambda: not alive(core), timeout=10), "the engine core outlived its API server"
