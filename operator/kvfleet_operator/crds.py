@@ -29,7 +29,7 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ACCELERATORS = ("nvidia", "cpu")
-PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "Degraded", "Failed", "Terminating")
+PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "ScaledToZero", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sleeping")
 
 

@@ -1,0 +1,461 @@
+"""kopf handlers: the thin I/O shell around the pure modules (validation, manifests, status).
+
+`build_registry()` returns a fresh `kopf.OperatorRegistry` holding every handler, so tests can run several
+operators in one process. Shared clients live in kopf's memo (`OperatorMemo`): the Kubernetes client is made
+from the credentials kopf logged in with, the Redis registry and the HTTP client at startup.
+
+What each resource gets:
+- InferenceModel: create/update/resume -> validate, server-side apply the owned objects, write the model's
+  Redis config, refresh status; a timer re-asserts the Redis config (Redis may have lost it), runs
+  idle-sleep and refreshes status; delete (finalizer) -> delete the owned objects and purge Redis.
+- Deployment / Pod events of a model -> refresh that model's status (conditions follow the Deployment).
+- Tenant: create/update/resume and a timer -> record + hashed key in Redis; delete (finalizer) -> removed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import kopf
+import redis.exceptions
+
+from kvfleet_common.registry import AsyncRegistry, RegistryError
+from kvfleet_common.schemas import ModelConfig, TenantRecord
+from kvfleet_operator import crds, manifests
+from kvfleet_operator.kube import KubeClient, KubeError, object_path
+from kvfleet_operator.spec import ModelSpec, OperatorConfig, model_spec_from, tenant_spec_from
+from kvfleet_operator.status import (
+    Condition,
+    failed_status,
+    merge_conditions,
+    model_status,
+    newly_true,
+    replicas_to_sleep,
+    rfc3339,
+)
+from kvfleet_operator.validation import SpecError
+
+RETRY_DELAY = 15.0
+SECRET_RETRY_DELAY = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    server: str | None = None  # API server URL without auth (tests); None: in-cluster or kubeconfig
+    idle_check_seconds: float = 30.0
+    resync_seconds: float = 60.0
+    sleep_request_timeout: float = 30.0
+
+
+class OperatorMemo(kopf.Memo):
+    """Shared state. kopf shallow-copies the memo per object: clients are shared, per-object keys are not."""
+
+    config: OperatorConfig
+    options: RuntimeOptions
+    connection: kopf.ConnectionInfo | None
+    clients: dict[str, Any]  # "kube", "registry", "http": made on first use, inside the operator's loop
+
+
+def new_memo(config: OperatorConfig, options: RuntimeOptions) -> OperatorMemo:
+    memo = OperatorMemo()
+    memo.config = config
+    memo.options = options
+    memo.connection = None
+    memo.clients = {}  # the same dict in every per-object copy
+    return memo
+
+
+def _kube(memo: OperatorMemo) -> KubeClient:
+    clients = memo.clients
+    if "kube" not in clients:
+        if memo.connection is None:
+            raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=1)
+        clients["kube"] = KubeClient(memo.connection)
+    return clients["kube"]
+
+
+def _registry(memo: OperatorMemo) -> AsyncRegistry:
+    if memo.clients.get("registry") is None:
+        memo.clients["registry"] = AsyncRegistry.from_url(memo.config.redis_url, socket_timeout=10)
+    return memo.clients["registry"]
+
+
+def _http(memo: OperatorMemo) -> httpx.AsyncClient:
+    if memo.clients.get("http") is None:
+        memo.clients["http"] = httpx.AsyncClient(timeout=memo.options.sleep_request_timeout)
+    return memo.clients["http"]
+
+
+def _now() -> datetime:
+    return datetime.now(tz=UTC)
+
+
+def _model_path(namespace: str, name: str, subresource: str = "") -> str:
+    return object_path(crds.API_VERSION, crds.MODEL_KIND, namespace, name, subresource)
+
+
+def _status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    old = old or {}
+    return any(old.get(k) != v for k, v in new.items())
+
+
+def model_config_record(model: ModelSpec) -> ModelConfig:
+    """What the gateway reads about the model from Redis."""
+    return ModelConfig(
+        model=model.served_name,
+        routing_policy=model.routing_policy,  # type: ignore[arg-type]  # same enum as the CRD
+        sleep_idle_seconds=model.sleep_idle_seconds or None,
+        sleep_level=model.sleep_level,  # type: ignore[arg-type]
+        allowed_tenants=None if model.allowed_tenants is None else list(model.allowed_tenants),
+    )
+
+
+def tenant_record(spec: Any) -> TenantRecord:
+    return TenantRecord(
+        name=spec.name,
+        models=list(spec.models),
+        requests_per_minute=spec.requests_per_minute or None,
+        tokens_per_minute=spec.tokens_per_minute or None,
+        max_concurrent=spec.max_concurrent or None,
+        priority=spec.priority,
+        cache_salt=spec.cache_salt,
+    )
+
+
+def api_key_from_secret(secret: dict[str, Any], key: str) -> str | None:
+    """The API key stored under ``key``: ``data`` is base64 as the API server returns it; ``stringData``
+    is only ever seen on API servers that do not convert it (the test emulator)."""
+    if key in (secret.get("data") or {}):
+        return base64.b64decode(secret["data"][key]).decode().strip()
+    value = (secret.get("stringData") or {}).get(key)
+    return value.strip() if isinstance(value, str) else None
+
+
+def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    model_resource = (crds.GROUP, crds.VERSION, crds.MODEL_PLURAL)
+    tenant_resource = (crds.GROUP, crds.VERSION, crds.TENANT_PLURAL)
+
+    # ---- activities ----------------------------------------------------------------------------------
+
+    @kopf.on.login(registry=registry)
+    def login(memo: OperatorMemo, logger: logging.Logger, settings: kopf.OperatorSettings, **kwargs: Any):
+        if memo.options.server:
+            info = kopf.ConnectionInfo(server=memo.options.server, insecure=True, default_namespace="default")
+        else:
+            info = (
+                kopf.login_with_service_account(settings=settings, logger=logger, **kwargs)
+                or kopf.login_via_client(settings=settings, logger=logger, **kwargs)
+                or kopf.login_with_kubeconfig(settings=settings, logger=logger, **kwargs)
+            )
+        memo.connection = info
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close_clients(memo: OperatorMemo, **_: Any) -> None:
+        clients = memo.clients
+        if clients.get("kube") is not None:
+            await clients.pop("kube").close()
+        if clients.get("registry") is not None:
+            await clients.pop("registry").aclose()
+        if clients.get("http") is not None:
+            await clients.pop("http").aclose()
+
+    # ---- InferenceModel ------------------------------------------------------------------------------
+
+    async def write_failed(body: kopf.Body, error: SpecError, memo: OperatorMemo) -> None:
+        meta = body.get("metadata", {})
+        status = failed_status(
+            generation=int(meta.get("generation", 0) or 0),
+            reason="InvalidSpec",
+            message=str(error),
+            previous_conditions=body.get("status", {}).get("conditions", []),
+            now=_now(),
+        )
+        await _kube(memo).merge_patch(
+            _model_path(meta["namespace"], meta["name"], "status"), {"status": status}
+        )
+
+    @kopf.on.resume(*model_resource, registry=registry)
+    @kopf.on.create(*model_resource, registry=registry)
+    @kopf.on.update(*model_resource, registry=registry)
+    async def reconcile_model(
+        body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, reason: str, **_: Any
+    ):
+        try:
+            model = model_spec_from(dict(body))
+        except SpecError as e:
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            await write_failed(body, e, memo)
+            raise kopf.PermanentError(f"invalid spec: {e}") from e
+        kube, registry_ = _kube(memo), _registry(memo)
+        previous_name = body.get("status", {}).get("servedName")
+        try:
+            for obj in manifests.children(model, memo.config):
+                await kube.apply(obj)
+        except KubeError as e:
+            kopf.warn(body, reason="ApplyFailed", message=str(e))
+            raise kopf.TemporaryError(f"applying the model's objects failed: {e}", delay=RETRY_DELAY) from e
+        try:
+            if previous_name and previous_name != model.served_name:
+                await registry_.purge_model(previous_name)
+            await registry_.put_model_config(model_config_record(model))
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise kopf.TemporaryError(f"Redis unavailable: {e}", delay=RETRY_DELAY) from e
+        verb = {"create": "Created", "resume": "Resumed"}.get(str(reason), "Updated")
+        kopf.event(
+            body,
+            type="Normal",
+            reason=verb,
+            message=f"{model.replicas} replica(s) of {model.served_name} "
+            f"({model.engine.accelerators_per_pod if model.accelerator == 'nvidia' else 0} GPU(s) each)",
+        )
+        logger.info("applied %s: %d replicas", model.name, model.replicas)
+        await refresh_model_status(memo, model.namespace, model.name)
+
+    @kopf.on.delete(*model_resource, registry=registry)
+    async def delete_model(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+        meta = body["metadata"]
+        names = {body.get("status", {}).get("servedName")}
+        try:
+            model = model_spec_from(dict(body))
+            names.add(model.served_name)
+            children = manifests.children(model, memo.config)
+        except SpecError:
+            children = []
+        kube = _kube(memo)
+        # Kubernetes garbage-collects owned objects too; deleting them here also covers objects whose
+        # ownerReference was removed, and API servers without a garbage collector.
+        for obj in reversed(children):
+            await kube.delete(
+                object_path(obj["apiVersion"], obj["kind"], meta["namespace"], obj["metadata"]["name"])
+            )
+        try:
+            for name in names - {None}:
+                await _registry(memo).purge_model(name)
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise kopf.TemporaryError(
+                f"Redis unavailable, cannot purge the model yet: {e}", delay=RETRY_DELAY
+            ) from e
+        logger.info("deleted %s and purged its Redis records", meta["name"])
+
+    @kopf.timer(
+        *model_resource,
+        interval=options.idle_check_seconds,
+        initial_delay=options.idle_check_seconds,
+        registry=registry,
+    )
+    async def model_tick(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            model = model_spec_from(dict(body))
+        except SpecError:
+            return  # reported by reconcile_model
+        if "active_since" not in memo:
+            memo.active_since = time.time()
+        try:
+            registry_ = _registry(memo)
+            # Re-assert: a Redis restart without persistence would otherwise leave the model unconfigured.
+            await registry_.put_model_config(model_config_record(model))
+            await idle_sleep(body, model, memo, logger)
+        except (redis.exceptions.RedisError, OSError) as e:
+            logger.warning("Redis unavailable during the periodic check: %s", e)
+        await refresh_model_status(memo, model.namespace, model.name)
+
+    async def idle_sleep(
+        body: kopf.Body, model: ModelSpec, memo: OperatorMemo, logger: logging.Logger
+    ) -> None:
+        if model.sleep_idle_seconds <= 0:
+            return
+        registry_ = _registry(memo)
+        last = await registry_.last_activity(model.served_name)
+        heartbeats = await registry_.live_replicas(model.served_name)
+        targets = replicas_to_sleep(
+            idle_seconds=model.sleep_idle_seconds,
+            last_activity=last,
+            active_since=memo.active_since,
+            now=time.time(),
+            heartbeats=heartbeats,
+        )
+        if not targets:
+            return
+        http = _http(memo)
+        headers = {"Authorization": f"Bearer {memo.config.admin_token}"} if memo.config.admin_token else {}
+        slept: list[str] = []
+        for hb in targets:
+            try:
+                resp = await http.post(
+                    f"{hb.base_url.rstrip('/')}/sleep", params={"level": model.sleep_level}, headers=headers
+                )
+                resp.raise_for_status()
+                slept.append(hb.name)
+            except httpx.HTTPError as e:
+                kopf.warn(body, reason="SleepFailed", message=f"replica {hb.name}: {e}")
+        if slept:
+            idle_for = time.time() - max(last or 0.0, memo.active_since)
+            kopf.event(
+                body,
+                type="Normal",
+                reason="IdleSleep",
+                message=f"put {len(slept)} replica(s) to sleep (level {model.sleep_level}) after "
+                f"{idle_for:.0f} s idle: {', '.join(slept)}",
+            )
+            logger.info("idle-sleep: %s", slept)
+
+    # ---- status following the Deployment and pods ----------------------------------------------------
+
+    async def refresh_model_status(memo: OperatorMemo, namespace: str, name: str) -> None:
+        kube = _kube(memo)
+        body = await kube.get(_model_path(namespace, name))
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            model = model_spec_from(body)
+        except SpecError:
+            return
+        selector = manifests.selector_string(model)
+        deployment = await kube.get(object_path("apps/v1", "Deployment", namespace, name))
+        pods = await kube.list(object_path("v1", "Pod", namespace), label_selector=selector)
+        last_activity: float | None = None
+        try:
+            registry_ = _registry(memo)
+            heartbeats = await registry_.live_replicas(model.served_name)
+            last_activity = await registry_.last_activity(model.served_name)
+        except (redis.exceptions.RedisError, OSError):
+            heartbeats = []
+        previous = body.get("status", {}) or {}
+        status = model_status(
+            desired_replicas=model.replicas,
+            generation=model.generation,
+            served_name=model.served_name,
+            selector=selector,
+            deployment=deployment,
+            heartbeats=heartbeats,
+            pods=pods,
+            previous_conditions=previous.get("conditions", []),
+            now=_now(),
+        )
+        if last_activity is not None:
+            status["lastActivity"] = rfc3339(datetime.fromtimestamp(last_activity, tz=UTC))
+        if not _status_changed(previous, status):
+            return
+        await kube.merge_patch(_model_path(namespace, name, "status"), {"status": status})
+        degraded = newly_true(previous.get("conditions", []), status["conditions"], "Degraded")
+        if degraded is not None:
+            kopf.warn(body, reason=degraded["reason"], message=degraded["message"] or "the model is degraded")
+        ready = newly_true(previous.get("conditions", []), status["conditions"], "Ready")
+        if ready is not None:
+            kopf.event(body, type="Normal", reason="Ready", message=ready["message"])
+
+    def owner_model(meta: dict[str, Any]) -> str | None:
+        for ref in meta.get("ownerReferences", []) or []:
+            if ref.get("kind") == crds.MODEL_KIND and ref.get("apiVersion", "").startswith(crds.GROUP + "/"):
+                return ref.get("name")
+        return None
+
+    @kopf.on.event(
+        "apps", "v1", "deployments", labels={manifests.MODEL_LABEL: kopf.PRESENT}, registry=registry
+    )
+    async def deployment_changed(meta: kopf.Meta, memo: OperatorMemo, **_: Any) -> None:
+        name = owner_model(dict(meta))
+        if name is not None:
+            await refresh_model_status(memo, meta["namespace"], name)
+
+    @kopf.on.event("", "v1", "pods", labels={manifests.MODEL_LABEL: kopf.PRESENT}, registry=registry)
+    async def pod_changed(meta: kopf.Meta, memo: OperatorMemo, **_: Any) -> None:
+        name = meta.get("labels", {}).get(manifests.MODEL_LABEL)
+        if name:
+            await refresh_model_status(memo, meta["namespace"], name)
+
+    # ---- Tenant --------------------------------------------------------------------------------------
+
+    async def write_tenant_status(
+        body: kopf.Body, memo: OperatorMemo, ok: bool, reason: str, message: str
+    ) -> None:
+        meta = body["metadata"]
+        generation = int(meta.get("generation", 0) or 0)
+        previous = body.get("status", {}) or {}
+        status = {
+            "observedGeneration": generation,
+            "phase": "Active" if ok else "Failed",
+            "conditions": merge_conditions(
+                previous.get("conditions", []),
+                [Condition("Ready", ok, reason, message)],
+                generation=generation,
+                now=_now(),
+            ),
+        }
+        if _status_changed(previous, status):
+            path = object_path(crds.API_VERSION, crds.TENANT_KIND, None, meta["name"], "status")
+            await _kube(memo).merge_patch(path, {"status": status})
+
+    async def tenant_failed(body: kopf.Body, memo: OperatorMemo, reason: str, message: str) -> None:
+        if body.get("status", {}).get("phase") != "Failed":
+            kopf.warn(body, reason=reason, message=message)
+        await write_tenant_status(body, memo, False, reason, message)
+
+    @kopf.on.resume(*tenant_resource, registry=registry)
+    @kopf.on.create(*tenant_resource, registry=registry)
+    @kopf.on.update(*tenant_resource, registry=registry)
+    @kopf.timer(
+        *tenant_resource,
+        interval=options.resync_seconds,
+        initial_delay=options.resync_seconds,
+        registry=registry,
+    )
+    async def sync_tenant(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            spec = tenant_spec_from(dict(body), memo.config.namespace)
+        except SpecError as e:
+            await tenant_failed(body, memo, "InvalidSpec", str(e))
+            raise kopf.PermanentError(f"invalid spec: {e}") from e
+        secret_path = object_path("v1", "Secret", spec.secret_namespace, spec.secret_name)
+        secret = await _kube(memo).get(secret_path)
+        where = f"Secret {spec.secret_namespace}/{spec.secret_name}"
+        if secret is None:
+            await tenant_failed(body, memo, "SecretNotFound", f"{where} does not exist")
+            raise kopf.TemporaryError(f"{where} not found", delay=SECRET_RETRY_DELAY)
+        api_key = api_key_from_secret(secret, spec.secret_key)
+        if not api_key:
+            await tenant_failed(
+                body, memo, "SecretKeyMissing", f"{where} has no (non-empty) key {spec.secret_key!r}"
+            )
+            raise kopf.TemporaryError(f"{where} lacks {spec.secret_key!r}", delay=SECRET_RETRY_DELAY)
+        key_hash = hashlib.sha256(api_key.encode()).hexdigest()
+        registry_ = _registry(memo)
+        try:
+            await registry_.put_tenant(tenant_record(spec))
+            key_id = await registry_.add_api_key(spec.name, key_hash)
+            # A rotated key replaces the old one: only the Secret's current key authenticates.
+            for old_id in await registry_.list_api_keys(spec.name):
+                if old_id != key_id:
+                    await registry_.remove_api_key(spec.name, old_id)
+        except RegistryError as e:
+            await tenant_failed(body, memo, "KeyConflict", str(e))
+            raise kopf.TemporaryError(str(e), delay=SECRET_RETRY_DELAY) from e
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise kopf.TemporaryError(f"Redis unavailable: {e}", delay=RETRY_DELAY) from e
+        await write_tenant_status(body, memo, True, "Synced", f"API key {key_id} registered")
+
+    @kopf.on.delete(*tenant_resource, registry=registry)
+    async def delete_tenant(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+        name = body["metadata"]["name"]
+        try:
+            await _registry(memo).delete_tenant(name)
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise kopf.TemporaryError(
+                f"Redis unavailable, cannot remove the tenant yet: {e}", delay=RETRY_DELAY
+            ) from e
+        logger.info("tenant %s removed from Redis", name)
+
+    return registry

@@ -1,0 +1,134 @@
+"""Starting kopf: settings (where kopf keeps its state, peering) and the entry points for the CLI (blocking)
+and for tests/benchmarks (a background thread with its own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import kopf
+
+from kvfleet_operator.handlers import RuntimeOptions, build_registry, new_memo
+from kvfleet_operator.spec import OperatorConfig
+
+FINALIZER = "kvfleet.io/finalizer"
+
+
+def operator_settings(*, peering: str | None, priority: int, clusterwide: bool) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = FINALIZER
+    # kopf's bookkeeping goes to annotations, so the CRDs' status schemas stay strict (no status.kopf).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfleet.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvfleet.io", key="last-handled-configuration"
+    )
+    # Only warnings become Kubernetes Events automatically; the handlers post their own Normal events.
+    settings.posting.level = logging.WARNING
+    settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 10
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.peering.standalone = peering is None
+    if peering is not None:
+        settings.peering.name = peering
+        settings.peering.priority = priority
+        settings.peering.clusterwide = clusterwide
+        # Never act without the peering object: two replicas acting at once is worse than none acting.
+        settings.peering.mandatory = True
+    return settings
+
+
+@dataclass(frozen=True, slots=True)
+class RunArgs:
+    config: OperatorConfig
+    options: RuntimeOptions
+    namespaces: tuple[str, ...] = ()
+    peering: str | None = "kvfleet"
+    priority: int = 0
+    liveness: str | None = None
+
+
+async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: object = None) -> None:
+    """Run kopf until ``stop_flag`` (any flag kopf accepts, e.g. a threading.Event) is set."""
+    clusterwide = not args.namespaces
+    settings = operator_settings(peering=args.peering, priority=args.priority, clusterwide=clusterwide)
+    await kopf.operator(
+        registry=build_registry(args.options),
+        settings=settings,
+        memo=new_memo(args.config, args.options),
+        clusterwide=clusterwide,
+        namespaces=list(args.namespaces),
+        standalone=args.peering is None,
+        priority=args.priority,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+def run_operator(
+    config: OperatorConfig,
+    *,
+    namespaces: Sequence[str] = (),
+    peering: str | None = "kvfleet",
+    priority: int = 0,
+    liveness: str | None = None,
+    idle_check_seconds: float = 30.0,
+    resync_seconds: float = 60.0,
+    verbose: bool = False,
+    server: str | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (the CLI)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = RunArgs(
+        config=config,
+        options=RuntimeOptions(
+            server=server, idle_check_seconds=idle_check_seconds, resync_seconds=resync_seconds
+        ),
+        namespaces=tuple(namespaces),
+        peering=peering,
+        priority=priority,
+        liveness=liveness,
+    )
+    asyncio.run(run_async(args))
+
+
+class OperatorThread:
+    """The operator in a background thread with its own event loop (tests, benchmarks).
+
+    ``start()`` returns once kopf is ready (watching); ``stop()`` asks kopf to finish and joins."""
+
+    def __init__(self, args: RunArgs) -> None:
+        self.args = args
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="kvfleet-operator", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(run_async(self.args, stop_flag=self._stop, ready_flag=self._ready))
+        except BaseException as e:  # surfaced by start()/stop()
+            self._error = e
+            self._ready.set()
+
+    def start(self, timeout: float = 30.0) -> OperatorThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the operator did not become ready")
+        if self._error is not None:
+            raise RuntimeError("the operator failed to start") from self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("the operator did not stop")
