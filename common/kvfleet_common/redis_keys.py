@@ -11,7 +11,7 @@ kvf:replica:<replica_id>               hash    heartbeat (~5 s)   engine      he
 kvf:replica:<replica_id>:blocks        set     = heartbeat's      engine      16-byte hashes of its cached KV blocks
 kvf:replica:<replica_id>:resync        set     60 s               engine      staging set while a full resync uploads
 kvf:name:<replica_name>                string  heartbeat (~5 s)   engine      current replica id (name#epoch)
-kvf:models                             set     none               engine/op   model names known to the platform
+kvf:models                             set     none (pruned)      engine/op   model names known to the platform
 kvf:model:<model>:replicas             set     none (pruned)      engine      replica ids that heartbeat for the model
 kvf:model:<model>:config               string  none               operator    JSON schemas.ModelConfig
 kvf:model:<model>:activity             string  none               gateway     last request time, unix seconds (float)
@@ -231,7 +231,8 @@ KEY_SPECS: tuple[KeySpec, ...] = (
             "staging set of a full resync, renamed onto :blocks when complete"),
     KeySpec("kvf:name:<replica_name>", "string", "heartbeat TTL, refreshed with it", "engine", "engine",
             "current replica id (name#epoch) of a replica name"),
-    KeySpec("kvf:models", "set", "none", "engine, operator", "gateway, operator", "model names"),
+    KeySpec("kvf:models", "set", "none; pruned by list_models", "engine, operator", "gateway, operator",
+            "model names (list_models drops those with no config and no live replica)"),
     KeySpec("kvf:model:<model>:replicas", "set", "none; dead ids pruned on read", "engine",
             "gateway, operator", "replica ids of the model"),
     KeySpec("kvf:model:<model>:config", "string", "none", "operator", "gateway, operator",

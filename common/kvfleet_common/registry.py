@@ -259,6 +259,22 @@ end
 return {ids, counts}
 """
 
+# KEYS: models. ARGV: key prefix. -> models with a config or a live replica; prunes the rest (and dead ids).
+_LIST_MODELS = """
+local out = {}
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local base = ARGV[1] .. 'model:' .. m
+  local keep = redis.call('EXISTS', base .. ':config') == 1
+  local set = base .. ':replicas'
+  for _, id in ipairs(redis.call('SMEMBERS', set)) do
+    if redis.call('EXISTS', ARGV[1] .. 'replica:' .. id) == 1 then keep = true
+    else redis.call('SREM', set, id) end
+  end
+  if keep then out[#out + 1] = m else redis.call('SREM', KEYS[1], m) end
+end
+return out
+"""
+
 # KEYS: tenant, tenant keys, api key. ARGV: tenant, sha256, key id. -> 0 ok; -1 no tenant; -2 other owner.
 _ADD_KEY = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -335,6 +351,7 @@ HEARTBEAT, CLAIM, DEREGISTER, APPLY, REPLACE = map(
     Script, (_HEARTBEAT, _CLAIM, _DEREGISTER, _APPLY, _REPLACE)
 )
 LIVE, PREFIX_MATCH, ADD_KEY, REMOVE_KEY = map(Script, (_LIVE, _PREFIX_MATCH, _ADD_KEY, _REMOVE_KEY))
+LIST_MODELS = Script(_LIST_MODELS)
 TENANT_FOR_KEY, DELETE_TENANT, PURGE_MODEL, RELEASE_LOCK = map(
     Script, (_TENANT_FOR_KEY, _DELETE_TENANT, _PURGE_MODEL, _RELEASE_LOCK)
 )
@@ -553,7 +570,7 @@ def op_prefix_match(model: str, block_hashes: Sequence[bytes], replica_ids: Sequ
 
 
 def op_list_models() -> Op:
-    (members,) = yield Batch([("SMEMBERS", keys.models())])
+    members = yield Eval(LIST_MODELS, [keys.models()], [keys.PREFIX])
     return sorted(_text(m) for m in members)
 
 
@@ -771,6 +788,8 @@ class _Registry:
         return self._run(op_prefix_match(model, block_hashes, replica_ids))
 
     def list_models(self) -> list[str]:
+        """Models with a config or at least one live replica (sleeping included), sorted; a model
+        whose replicas all died and that has no config is dropped (its next heartbeat re-adds it)."""
         return self._run(op_list_models())
 
     # tenants

@@ -241,6 +241,21 @@ def test_deregister_removes_the_replica_now(reg):
     assert reg.deregister_replica("a#1") is False
 
 
+def test_list_models_shows_configured_or_live_models(reg):
+    register(reg, "a#1", model="live-only", ttl=0.3)
+    register(reg, "b#1", model="both")
+    reg.put_model_config(ModelConfig(model="both"))
+    reg.put_model_config(ModelConfig(model="scaled-to-zero"))
+    assert reg.list_models() == ["both", "live-only", "scaled-to-zero"]
+    wait = time.monotonic() + 5
+    while reg.client.exists(keys.replica("a#1")) and time.monotonic() < wait:
+        time.sleep(0.05)
+    assert reg.list_models() == ["both", "scaled-to-zero"]  # its only replica died
+    assert not reg.client.exists(keys.model_replicas("live-only"))
+    reg.publish_heartbeat(heartbeat("a#1", model="live-only"))  # back: listed again
+    assert "live-only" in reg.list_models()
+
+
 def test_tenant_crud_and_api_keys(reg):
     acme = TenantRecord(
         name="acme", models=["org/*"], requests_per_minute=100, max_concurrent=4, cache_salt="x"
