@@ -95,6 +95,7 @@ class MultiprocExecutor(Executor):
         # Tokens sampled since the last broadcast; pipeline stages other than the last learn them here.
         self._new_tokens: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self.num_steps = 0  # execute_model calls so far (benchmarks divide per-step costs by it)
 
         ctx = mp.get_context("spawn")
         self._ring = BroadcastWriter(self.world_size)
@@ -282,6 +283,7 @@ class MultiprocExecutor(Executor):
         self, sched: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         new_tokens, self._new_tokens = self._new_tokens, {}
+        self.num_steps += 1
         self._broadcast("execute_model", (sched, new_tokens or None), REPLY_OUTPUT)
         fut = _StepFuture(self)
         self._pending.append(fut)
