@@ -228,10 +228,16 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _start_span(self, rec: RequestRecord, raw: Request):
+        # FastAPI may already run an HTTP server span for this request (its built-in telemetry):
+        # then ours is its child; otherwise ours is the server span, continuing the caller's trace.
+        current = trace.get_current_span()
+        nested = current.get_span_context().is_valid
         span = tracer.start_span(
-            f"engine {rec.endpoint}", context=extract_context(raw.headers), kind=SpanKind.SERVER,
+            f"engine {rec.endpoint}",
+            context=None if nested else extract_context(raw.headers),
+            kind=SpanKind.INTERNAL if nested else SpanKind.SERVER,
             attributes={"kvfleet.request_id": rec.request_id, "gen_ai.request.model": self.model_name},
-        )  # fmt: skip
+        )
         span.add_event("queued")
         return span
 
