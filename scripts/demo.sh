@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job, from a fresh machine: set up, write the demo model, generate from it.
+# The main job, from a fresh machine: set up, write the demo model, serve it with `kvfleet engine serve`
+# (API server + engine core process), send one chat request through the OpenAI API, stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh engine
@@ -7,7 +8,33 @@ model=.kvfleet/models/demo-llama-small
 if [ ! -f "$model/config.json" ]; then
   .venv/bin/kvfleet demo-model --out "$model" --arch llama --preset small
 fi
-.venv/bin/kvfleet generate --model "$model" --chat --max-tokens 48 \
-  --prompt "Tell me about the lighthouse on the hill." \
-  --prompt "How do I bake bread?" \
-  --prompt "Write a short poem about rain."
+port="${KVFLEET_DEMO_PORT:-$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}"
+log=.kvfleet/demo-server.log
+.venv/bin/kvfleet engine serve --model "$model" --served-model-name demo --port "$port" --max-model-len 2048 >"$log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+echo "[demo] engine server starting on http://127.0.0.1:$port (log: $log)"
+.venv/bin/python - "$port" <<'PY'
+import json, sys, time
+import httpx
+
+url = f"http://127.0.0.1:{sys.argv[1]}"
+deadline = time.time() + 300
+while True:
+    try:
+        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    if time.time() > deadline:
+        sys.exit("[demo] the server did not become healthy; see .kvfleet/demo-server.log")
+    time.sleep(0.5)
+body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me about the lighthouse on the hill."}],
+        "max_tokens": 48, "temperature": 0}
+print(f"[demo] POST {url}/v1/chat/completions\n{json.dumps(body, indent=2)}")
+r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+r.raise_for_status()
+resp = r.json()
+print(f"[demo] -> {resp['choices'][0]['message']['content']!r}")
+print(f"[demo] usage: {resp['usage']}")
+PY
