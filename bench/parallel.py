@@ -13,7 +13,7 @@ ignored, after an untimed warm-up. Reported per configuration:
   each stage's busy fraction. The batch queue keeps up to PP steps in flight to make this non-zero.
 
 On a machine with fewer cores than ranks x threads, parallelism cannot make anything faster: the
-ranks share the same cores (each rank gets ``cpu_count // ranks`` threads). The numbers show what the
+ranks share the same cores (each rank gets ``cpu_count // ranks`` threads unless ``--threads`` says). The numbers show what the
 communication and the pipeline cost, not a speed-up.
 
     .venv/bin/python bench/parallel.py                          # small preset: 1x1, 1x1-mp, 2x1, 1x2
@@ -23,6 +23,7 @@ communication and the pipeline cost, not a speed-up.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -48,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e = p.add_argument_group("engine")
     e.add_argument("--configs", nargs="+", default=["1x1", "1x1-mp", "2x1", "1x2"], help="TPxPP[-mp]")
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--threads", type=int, default=None, help="torch threads of the in-process engine")
+    e.add_argument(
+        "--threads", type=int, default=None, help="torch threads of the in-process engine and of every rank"
+    )
     p.add_argument("--out", default=None, help=f"JSON output (default bench/results/{NAME}.json)")
     return p.parse_args(argv)
 
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         common.set_threads(args.threads)
+        os.environ["KVFLEET_WORKER_THREADS"] = str(args.threads)  # every rank too
     busy = common.busy_machine_warning()
     model_dir = common.resolve_model(args)
     rng = random.Random(args.seed)

@@ -103,7 +103,10 @@ class MultiprocExecutor(Executor):
         if backend == "gloo":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single host: stay on loopback
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        # Ranks share the machine's cores; KVFLEET_WORKER_THREADS overrides the even split.
+        threads = int(os.environ.get("KVFLEET_WORKER_THREADS") or 0) or max(
+            1, (os.cpu_count() or 1) // self.world_size
+        )
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._death_writers: list[Connection] = []

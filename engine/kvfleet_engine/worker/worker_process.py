@@ -106,6 +106,8 @@ def run_worker(spec: WorkerSpec, conn: Connection, death_pipe: Connection) -> No
 
         torch.set_num_threads(spec.threads)
         cfg = spec.config
+        if cfg.device.startswith("cuda"):
+            torch.cuda.set_device(rank_device(cfg, spec.rank))  # before NCCL picks a device itself
         init_distributed(
             spec.rank, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, spec.init_method, spec.backend
         )
