@@ -181,6 +181,7 @@ async def measure(
         if not ref.ok:
             raise RuntimeError(f"reference request failed: {ref.error}")
         out["reference_output_tokens"] = ref.output_tokens
+        out["cold_start"]["second_request_ttft_s"] = ref.ttft
         cycles: list[dict[str, Any]] = []
         for cycle in range(args.cycles):
             for level in args.levels:
@@ -202,6 +203,7 @@ async def measure(
                     "sleep_s": slept["seconds"],
                     "wake_s": woke["seconds"],
                     "first_token_after_wake_s": probe.ttft,
+                    "second_request_ttft_s": again.ttft,
                     "wake_to_first_token_s": woke["seconds"] + probe.ttft,
                     "output_identical_after_wake": again.text == ref.text,
                     "request_while_asleep": {"status": refused.status, "retry_after": refused.retry_after},
@@ -240,6 +242,7 @@ def per_level(cycles: list[dict[str, Any]], cold_s: float) -> dict[str, Any]:
             "sleep_s": med("sleep_s"),
             "wake_s": med("wake_s"),
             "first_token_after_wake_s": med("first_token_after_wake_s"),
+            "second_request_ttft_s": med("second_request_ttft_s"),
             "wake_to_first_token_s": w2t,
             "speedup_vs_cold_start": cold_s / w2t if w2t > 0 else None,
             "speedup_vs_cold_start_wake_call_only": cold_s / med("wake_s") if med("wake_s") > 0 else None,
@@ -288,6 +291,11 @@ def render(result: dict[str, Any]) -> None:
     if cold:
         notes.append(
             f"cold start: /health after {cold['ready_s']:.2f}s, then first token after {cold['first_request_ttft_s']:.3f}s"
+            f" (the next request's TTFT: {cold['second_request_ttft_s']:.3f}s)"
+        )
+    for level, s in (result.get("levels") or {}).items():
+        notes.append(
+            f"level {level}: TTFT of the second request after wake {s['second_request_ttft_s']:.3f}s (median)"
         )
     tm = result.get("target_met")
     l1 = (result.get("levels") or {}).get("1")
