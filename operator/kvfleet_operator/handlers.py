@@ -323,7 +323,14 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
             return
         selector = manifests.selector_string(model)
         deployment = await kube.get(object_path("apps/v1", "Deployment", namespace, name))
-        pods = await kube.list(object_path("v1", "Pod", namespace), label_selector=selector)
+        wanted = manifests.selector_labels(model)
+        pods = [
+            pod
+            for pod in await kube.list(object_path("v1", "Pod", namespace), label_selector=selector)
+            # The API server filters by the selector already; re-checking costs nothing and keeps a
+            # server that ignores labelSelector (the test emulator) from mixing models up.
+            if wanted.items() <= (pod.get("metadata", {}).get("labels") or {}).items()
+        ]
         last_activity: float | None = None
         try:
             registry_ = _registry(memo)
@@ -402,35 +409,20 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
             kopf.warn(body, reason=reason, message=message)
         await write_tenant_status(body, memo, False, reason, message)
 
-    @kopf.on.resume(*tenant_resource, registry=registry)
-    @kopf.on.create(*tenant_resource, registry=registry)
-    @kopf.on.update(*tenant_resource, registry=registry)
-    @kopf.timer(
-        *tenant_resource,
-        interval=options.resync_seconds,
-        initial_delay=options.resync_seconds,
-        registry=registry,
-    )
-    async def sync_tenant(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
-        if body.get("metadata", {}).get("deletionTimestamp"):
-            return
+    async def sync_tenant(body: kopf.Body, memo: OperatorMemo) -> tuple[str, str] | None:
+        """Write the tenant and its key hash to Redis; returns (reason, message) of a failure, or None."""
         try:
             spec = tenant_spec_from(dict(body), memo.config.namespace)
         except SpecError as e:
             await tenant_failed(body, memo, "InvalidSpec", str(e))
             raise kopf.PermanentError(f"invalid spec: {e}") from e
-        secret_path = object_path("v1", "Secret", spec.secret_namespace, spec.secret_name)
-        secret = await _kube(memo).get(secret_path)
+        secret = await _kube(memo).get(object_path("v1", "Secret", spec.secret_namespace, spec.secret_name))
         where = f"Secret {spec.secret_namespace}/{spec.secret_name}"
         if secret is None:
-            await tenant_failed(body, memo, "SecretNotFound", f"{where} does not exist")
-            raise kopf.TemporaryError(f"{where} not found", delay=SECRET_RETRY_DELAY)
+            return "SecretNotFound", f"{where} does not exist"
         api_key = api_key_from_secret(secret, spec.secret_key)
         if not api_key:
-            await tenant_failed(
-                body, memo, "SecretKeyMissing", f"{where} has no (non-empty) key {spec.secret_key!r}"
-            )
-            raise kopf.TemporaryError(f"{where} lacks {spec.secret_key!r}", delay=SECRET_RETRY_DELAY)
+            return "SecretKeyMissing", f"{where} has no (non-empty) key {spec.secret_key!r}"
         key_hash = hashlib.sha256(api_key.encode()).hexdigest()
         registry_ = _registry(memo)
         try:
@@ -441,11 +433,34 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
                 if old_id != key_id:
                     await registry_.remove_api_key(spec.name, old_id)
         except RegistryError as e:
-            await tenant_failed(body, memo, "KeyConflict", str(e))
-            raise kopf.TemporaryError(str(e), delay=SECRET_RETRY_DELAY) from e
+            return "KeyConflict", str(e)
         except (redis.exceptions.RedisError, OSError) as e:
             raise kopf.TemporaryError(f"Redis unavailable: {e}", delay=RETRY_DELAY) from e
         await write_tenant_status(body, memo, True, "Synced", f"API key {key_id} registered")
+        return None
+
+    @kopf.on.resume(*tenant_resource, registry=registry)
+    @kopf.on.create(*tenant_resource, registry=registry)
+    @kopf.on.update(*tenant_resource, registry=registry)
+    async def reconcile_tenant(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        failure = await sync_tenant(body, memo)
+        if failure is not None:
+            await tenant_failed(body, memo, *failure)
+            raise kopf.TemporaryError(failure[1], delay=SECRET_RETRY_DELAY)
+
+    @kopf.timer(
+        *tenant_resource,
+        interval=options.resync_seconds,
+        initial_delay=options.resync_seconds,
+        registry=registry,
+    )
+    async def resync_tenant(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+        """Picks up rotated keys and late Secrets, and restores what a restarted Redis lost."""
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        failure = await sync_tenant(body, memo)
+        if failure is not None:
+            await tenant_failed(body, memo, *failure)
 
     @kopf.on.delete(*tenant_resource, registry=registry)
     async def delete_tenant(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:

@@ -29,6 +29,8 @@ def operator_settings(*, peering: str | None, priority: int, clusterwide: bool) 
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
+    # On shutdown, let a timer finish its current round instead of abandoning it mid-request.
+    settings.background.instant_exit_timeout = 5.0
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.peering.standalone = peering is None

@@ -75,7 +75,8 @@ VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 class ServerFieldsEmulator(kmock.KubernetesEmulator):
     """KMock's emulator plus the metadata a real API server maintains and clients rely on: ``uid``,
     ``creationTimestamp``, a ``resourceVersion`` that changes on every write (kopf guards its
-    JSON-patches with a test on it) and a ``generation`` that counts spec changes."""
+    JSON-patches with a test on it), a ``generation`` that counts spec changes, and names from
+    ``generateName`` (kopf's Events use it)."""
 
     _versions = itertools.count(1)
     _last_version = 0
@@ -102,9 +103,14 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
             yield event
 
     async def _handle(self, request):  # type: ignore[override]
+        # KMock keeps every request for assertions and re-filters all of them on each new request to pick
+        # a reaction (quadratic); a long-running emulator keeps only the request being served.
+        del self._requests[:-1]
         data = request.data
         if request.resource is not None and request.action == _action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
             meta["resourceVersion"] = self._next_version()
@@ -113,7 +119,7 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
                 meta["namespace"] = request.namespace
         elif request.resource is not None and request.action == _action.UPDATE and data is not None:
             key = (request.resource, request.namespace, request.name)
-            current = self._objects[key] if key in self._objects else None
+            current = self._objects[key] if key in self._objects else None  # noqa: SIM401 - no .get()
             generation = 0
             if current is not None and not current.deleted:
                 generation = int(current.get("metadata", {}).get("generation", 0) or 0)
