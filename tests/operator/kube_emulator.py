@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import aiohttp.web
 import httpx
 import kmock
 from kmock._internal import parsing as _kmock_parsing
@@ -88,7 +89,45 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
     async def _serve_list(self, request):  # type: ignore[override]
         result = await super()._serve_list(request)
         result["metadata"]["resourceVersion"] = str(self._last_version)
+        # kubectl decodes lists by their kind.
+        info = self._resources[request.resource] if request.resource in self._resources else None
+        if info is not None and info.kind:
+            group, version = request.resource.group, request.resource.version
+            result["apiVersion"] = f"{group}/{version}" if group else version
+            result["kind"] = f"{info.kind}List"
         return result
+
+    async def _serve_version(self, request):  # type: ignore[override]
+        # Discovery as kubectl needs it: "v1" (not "/v1") for the core group, and subresources that
+        # carry no short names (else `kubectl get im` is ambiguous) with the scale subresource's real
+        # kind (autoscaling/v1 Scale, which `kubectl scale` decodes).
+        result = await super()._serve_version(request)
+        result["groupVersion"] = result["groupVersion"].lstrip("/")
+        for entry in result["resources"]:
+            if "/" in entry["name"]:
+                entry["shortNames"] = []
+                entry["singularName"] = ""
+                entry["verbs"] = ["get", "patch", "update"]
+                if entry["name"].endswith("/scale"):
+                    entry.update(group="autoscaling", version="v1", kind="Scale")
+        return result
+
+    def _scale_of(self, request) -> dict:
+        obj = self._objects[(request.resource, request.namespace, request.name)]
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                "name": request.name,
+                "namespace": request.namespace,
+                "resourceVersion": obj.get("metadata", {}).get("resourceVersion"),
+            },
+            "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
+            "status": {
+                "replicas": obj.get("status", {}).get("replicas", 0),
+                "selector": obj.get("status", {}).get("selector", ""),
+            },
+        }
 
     async def _serve_watch(self, request):  # type: ignore[override]
         # KMock replays every existing object at the start of a watch; a client that watches from the
@@ -144,7 +183,16 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
                 data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
                 if any(str(op.get("path", "")).startswith("/spec") for op in data):
                     data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
-        return await super()._handle(request)
+        response = await super()._handle(request)
+        # The scale subresource speaks autoscaling/v1 Scale (a PATCH of {"spec": {"replicas": N}} was
+        # merged into the object itself above, which matches specReplicasPath .spec.replicas).
+        if (
+            request.subresource == "scale"
+            and request.action in (_action.FETCH, _action.UPDATE)
+            and response.status < 300
+        ):
+            return aiohttp.web.json_response(self._scale_of(request))
+        return response
 
 
 class KubeEmulator:
