@@ -51,6 +51,7 @@ class RunArgs:
     peering: str | None = "kvfleet"
     priority: int = 0
     liveness: str | None = None
+    identity: str | None = None  # peering identity (default: kopf's host@pid)
 
 
 async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: object = None) -> None:
@@ -66,6 +67,7 @@ async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: obje
         standalone=args.peering is None,
         priority=args.priority,
         peering_name=args.peering,
+        identity=args.identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
         liveness_endpoint=args.liveness,
         stop_flag=stop_flag,
         ready_flag=ready_flag,

@@ -90,7 +90,7 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         result["metadata"]["resourceVersion"] = str(self._last_version)
         # kubectl decodes lists by their kind.
-        info = self._resources[request.resource] if request.resource in self._resources else None
+        info = self._resources.get(request.resource)
         if info is not None and info.kind:
             group, version = request.resource.group, request.resource.version
             result["apiVersion"] = f"{group}/{version}" if group else version
