@@ -24,8 +24,9 @@ from kvfleet_engine.executor.multiproc import WorkerFailure
 from kvfleet_engine.input_processor import InputProcessor
 
 MAX_NEW = 16
-# Small token budget: long prompts are prefilled in chunks, mixed with other requests' decodes.
-ENGINE_ARGS = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=40, num_kv_blocks=200)
+# Small token budget: long prompts are prefilled in chunks, mixed with other requests' decodes. A
+# KV cache of 15 usable blocks cannot hold every request at once: some are preempted and recomputed.
+ENGINE_ARGS = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=40, num_kv_blocks=16)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -132,6 +133,9 @@ def test_abort_mid_generation_reaches_every_rank(parallel, reference):
     for _ in range(12):
         for out in core.step():
             tokens[out.request_id].extend(out.new_token_ids)
+    # Every rank holds the same view of every request (tokens, progress, blocks) mid-generation.
+    states = core.executor.collective_rpc("request_states")
+    assert states[0] and all(s == states[0] for s in states[1:])
     core.abort_requests(["abort-1", "abort-4"])
     while core.has_pending_work():
         for out in core.step():

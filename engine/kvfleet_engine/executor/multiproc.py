@@ -65,6 +65,13 @@ class _StepFuture(Future):
         return super().result(timeout)
 
 
+def _release_at_exit(closing: threading.Event, procs: list[mp.Process], ring: BroadcastWriter) -> None:
+    """The executor was never shut down: kill its workers quietly and remove the ring."""
+    closing.set()
+    _kill_all(procs)
+    ring.close()
+
+
 def _kill_all(procs: list[mp.Process], grace_s: float = 0.0) -> None:
     for p in procs:
         if p.is_alive():
@@ -90,7 +97,7 @@ class MultiprocExecutor(Executor):
         if failure_callback is not None:
             self.failure_callback = failure_callback
         self.failure: str | None = None
-        self._closing = False
+        self._closing = threading.Event()  # set once workers are being stopped on purpose
         self._pending: deque[_StepFuture] = deque()
         # Tokens sampled since the last broadcast; pipeline stages other than the last learn them here.
         self._new_tokens: dict[str, list[int]] = {}
@@ -133,7 +140,7 @@ class MultiprocExecutor(Executor):
             self._teardown()
             raise
         # Workers die with this process anyway (death pipe); this also covers a forgotten shutdown().
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        self._finalizer = weakref.finalize(self, _release_at_exit, self._closing, self._procs, self._ring)
         self._stop_r, self._stop_w = os.pipe()
         self._monitor = threading.Thread(
             target=self._watch_workers, name="kvfleet-worker-monitor", daemon=True
@@ -168,7 +175,7 @@ class MultiprocExecutor(Executor):
     def _watch_workers(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
         ready = wait([*sentinels, self._stop_r])
-        if self._stop_r in ready or self._closing:
+        if self._stop_r in ready or self._closing.is_set():
             return
         dead = [sentinels[s] for s in ready if s in sentinels]
         details = ", ".join(
@@ -178,7 +185,7 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, message: str) -> None:
         with self._lock:
-            if self.failure is not None or self._closing:
+            if self.failure is not None or self._closing.is_set():
                 return
             self.failure = message
         logger.error("%s", message)
@@ -196,7 +203,7 @@ class MultiprocExecutor(Executor):
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise WorkerFailure(self.failure)
-        if self._closing:
+        if self._closing.is_set():
             raise WorkerFailure("the executor is shut down")
 
     # ---- messaging -------------------------------------------------------------------------------
@@ -227,7 +234,7 @@ class MultiprocExecutor(Executor):
     def _watch_dead_now(self) -> None:
         """A sentinel fired in the caller's thread before the monitor reported it: report now."""
         dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-        if dead and not self._closing:
+        if dead and not self._closing.is_set():
             details = ", ".join(
                 f"rank {r} (pid {self._procs[r].pid}, exit code {self._procs[r].exitcode})" for r in dead
             )
@@ -306,7 +313,7 @@ class MultiprocExecutor(Executor):
         return total
 
     def shutdown(self) -> None:
-        if self._closing:
+        if self._closing.is_set():
             return
         if self.failure is None:
             try:
@@ -314,7 +321,8 @@ class MultiprocExecutor(Executor):
                 self._ring.enqueue(("shutdown", (), REPLY_ALL), timeout_s=_SHUTDOWN_GRACE_S)
             except Exception:  # whatever went wrong, the workers are killed below
                 logger.debug("workers did not take the shutdown message", exc_info=True)
-        self._closing = True
+        self._closing.set()
+        self._finalizer.detach()
         os.write(self._stop_w, b"x")
         for p in self._procs:
             p.join(_SHUTDOWN_GRACE_S)
@@ -324,7 +332,7 @@ class MultiprocExecutor(Executor):
         os.close(self._stop_w)
 
     def _teardown(self) -> None:
-        self._closing = True
+        self._closing.set()
         _kill_all(self._procs, grace_s=1.0)
         for conn in [*self._conns, *self._death_writers]:
             conn.close()

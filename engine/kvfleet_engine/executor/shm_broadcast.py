@@ -143,7 +143,9 @@ class BroadcastWriter:
                 sock.send_bytes(data)
 
     def close(self) -> None:
-        """Release and remove the shared block (readers keep their mapping until they close)."""
+        """Release and remove the shared block (readers keep their mapping until they close). Idempotent."""
+        if self._ring.read is None:
+            return
         shm = self._ring.shm
         self._ring.release()
         with contextlib.suppress(FileNotFoundError):

@@ -112,7 +112,10 @@ class ModelRunner:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.batch
-        for rid in sched.finished_req_ids | sched.preempted_req_ids:
+        # Sorted: set order differs between processes (string hashing is salted per process), and
+        # the removal order decides which rows later requests take. Tensor-parallel ranks must lay
+        # out their batches identically, or their all-reduces would add up different requests.
+        for rid in sorted(sched.finished_req_ids | sched.preempted_req_ids):
             batch.remove_request(rid)
             self.requests.pop(rid, None)
         # Running requests that got no tokens this step leave the batch but keep their state.

@@ -86,6 +86,13 @@ class _Handler:
     def pid(self) -> int:
         return os.getpid()
 
+    def request_states(self) -> dict[str, tuple[list[int], int, list[int]]]:
+        """Each request's (tokens, num_computed_tokens, block ids) as this rank sees them."""
+        return {
+            rid: (st.prompt_token_ids + st.output_token_ids, st.num_computed_tokens, list(st.block_ids))
+            for rid, st in self.worker.runner.requests.items()
+        }
+
     def num_request_states(self) -> int:
         """Requests this rank still keeps state for (0 when the engine is idle: nothing leaked)."""
         return len(self.worker.runner.requests)
