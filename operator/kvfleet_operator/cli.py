@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -130,7 +131,13 @@ def _run_main(argv: list[str]) -> int:
         "--peering", default="kvfleet", help="kopf peering object: replicas sharing it never both act"
     )
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    p.add_argument("--priority", type=int, default=0, help="peering priority; the highest live replica acts")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest live replica acts (default: random, so that replicas of one "
+        "Deployment never tie: kopf pauses every replica of a tied priority)",
+    )
     p.add_argument(
         "--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
     )
@@ -150,7 +157,7 @@ def _run_main(argv: list[str]) -> int:
         config_from(args),
         namespaces=args.namespace,
         peering=None if args.standalone else args.peering,
-        priority=args.priority,
+        priority=args.priority if args.priority is not None else random.randint(1, 1_000_000),
         liveness=args.liveness,
         idle_check_seconds=args.idle_check_seconds,
         resync_seconds=args.resync_seconds,
