@@ -118,6 +118,7 @@ def test_greedy_tokens_equal_single_process_with_prefix_hits_and_chunked_prefill
     # Second pass: every prompt's full blocks are cached now.
     assert _tokens(llm, _prompts()[::-1]) == ref[::-1]
     assert kv.stats.hit_rate > hits_before
+    assert llm.engine.scheduler.num_preemptions > 0  # the small cache forced recomputes along the way
     assert llm.engine.executor.collective_rpc("num_request_states") == [0] * llm.engine.executor.world_size
     assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
 
