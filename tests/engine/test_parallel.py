@@ -130,7 +130,10 @@ def test_abort_mid_generation_reaches_every_rank(parallel, reference):
     prompts = _prompts()
     for i, p in enumerate(prompts):
         core.add_request(proc.process(f"abort-{i}", p, _greedy()))
-    tokens: dict[str, list[int]] = {f"abort-{i}": [] for i in range(len(prompts))}
+    # Unseeded random sampling: every rank must still draw the same tokens (same generator state).
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, ignore_eos=True)
+    core.add_request(proc.process("abort-random", prompts[2], sampled))
+    tokens: dict[str, list[int]] = {f"abort-{i}": [] for i in range(len(prompts))} | {"abort-random": []}
     for _ in range(12):
         for out in core.step():
             tokens[out.request_id].extend(out.new_token_ids)
@@ -144,6 +147,7 @@ def test_abort_mid_generation_reaches_every_rank(parallel, reference):
     ref = reference(arch)
     for i in (0, 2, 3, 5):
         assert tokens[f"abort-{i}"] == ref[i]
+    assert len(tokens["abort-random"]) == MAX_NEW
     assert core.executor.collective_rpc("num_request_states") == [0] * core.executor.world_size
 
 
