@@ -8,7 +8,9 @@ What each resource gets:
 - InferenceModel: create/update/resume -> validate, server-side apply the owned objects, write the model's
   Redis config, refresh status; a timer re-asserts the Redis config (Redis may have lost it), runs
   idle-sleep and refreshes status; delete (finalizer) -> delete the owned objects and purge Redis.
-- Deployment / Pod events of a model -> refresh that model's status (conditions follow the Deployment).
+- Deployment events of a model -> refresh that model's status (conditions follow the Deployment). Pods are
+  not watched (kopf filters labels client-side, so it would stream every pod of the cluster): the status
+  refresh lists the model's pods by label, on Deployment events and on the timer.
 - Tenant: create/update/resume and a timer -> record + hashed key in Redis; delete (finalizer) -> removed.
 """
 
@@ -374,12 +376,6 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
     async def deployment_changed(meta: kopf.Meta, memo: OperatorMemo, **_: Any) -> None:
         name = owner_model(dict(meta))
         if name is not None:
-            await refresh_model_status(memo, meta["namespace"], name)
-
-    @kopf.on.event("", "v1", "pods", labels={manifests.MODEL_LABEL: kopf.PRESENT}, registry=registry)
-    async def pod_changed(meta: kopf.Meta, memo: OperatorMemo, **_: Any) -> None:
-        name = meta.get("labels", {}).get(manifests.MODEL_LABEL)
-        if name:
             await refresh_model_status(memo, meta["namespace"], name)
 
     # ---- Tenant --------------------------------------------------------------------------------------

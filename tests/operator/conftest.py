@@ -13,22 +13,11 @@ from typing import Any
 import pytest
 import redis
 from kube_emulator import KubeEmulator
+from op_harness import add_peering, operator_args
 from redis_server import RedisServer
 
 from kvfleet_common.registry import Registry
-from kvfleet_operator.handlers import RuntimeOptions
-from kvfleet_operator.runner import OperatorThread, RunArgs
-from kvfleet_operator.spec import OperatorConfig
-
-ADMIN_TOKEN = "test-admin-token"
-PEERING = "kvfleet"
-
-
-def add_peering(kube: KubeEmulator, name: str = PEERING) -> None:
-    kube.post(
-        "/apis/kopf.dev/v1/clusterkopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}},
-    )
+from kvfleet_operator.runner import OperatorThread
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +47,6 @@ def registry(redis_url: str) -> Iterator[Registry]:
         yield reg
     finally:
         reg.close()
-
-
-def operator_args(server: str, redis_url: str, **options: Any) -> RunArgs:
-    return RunArgs(
-        config=OperatorConfig(
-            engine_image="registry.test/kvfleet-engine:1",
-            redis_url=redis_url,
-            admin_token=ADMIN_TOKEN,
-            namespace="kvfleet-system",
-        ),
-        options=RuntimeOptions(
-            server=server, idle_check_seconds=options.pop("idle_check_seconds", 2.0), resync_seconds=1.0
-        ),
-        peering=options.pop("peering", PEERING),
-        **options,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import json
 import time
 
 import pytest
-from conftest import ADMIN_TOKEN
 from kube_emulator import KubeEmulator, eventually
+from op_harness import ADMIN_TOKEN
 
 from kvfleet_common.registry import Registry
 from kvfleet_common.schemas import Heartbeat

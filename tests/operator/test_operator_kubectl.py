@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PEERING, add_peering
 from kube_emulator import KubeEmulator, eventually
+from op_harness import PEERING, add_peering
 
 from kvfleet_common.registry import Registry
 

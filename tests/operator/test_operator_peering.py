@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from conftest import PEERING, add_peering, operator_args
 from kube_emulator import KubeEmulator, eventually
+from op_harness import PEERING, add_peering, operator_args
 from redis_server import RedisServer
 
 from kvfleet_common.registry import Registry
