@@ -31,13 +31,18 @@ def kube() -> Iterator[KubeEmulator]:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
+def module_redis() -> Iterator[RedisServer]:
     server = RedisServer()
     server.start()
     try:
-        yield server.url
+        yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def redis_url(module_redis: RedisServer) -> str:
+    return module_redis.url
 
 
 @pytest.fixture(scope="module")

@@ -445,3 +445,26 @@ def test_config_map_holds_the_resolved_model(kube: KubeEmulator):
     doc = json.loads(cm["data"]["model.json"])
     assert doc["servedName"] == "documented" and doc["sleep"]["idleSeconds"] == 30
     assert doc["service"] == "documented.default.svc"
+
+
+def test_a_redis_that_lost_its_data_is_repaired(kube: KubeEmulator, registry: Registry, module_redis):
+    create_model(kube, "durable", model={"uri": "pvc://m/d", "servedName": "durable"})
+    kube.post("/api/v1/namespaces/kvfleet-system/secrets", _secret("durable-key", "sk-durable"))
+    kube.post(
+        TENANTS,
+        {
+            "apiVersion": "kvfleet.io/v1alpha1",
+            "kind": "Tenant",
+            "metadata": {"name": "durable"},
+            "spec": {"apiKeySecretRef": {"name": "durable-key"}},
+        },
+    )
+    eventually(
+        lambda: registry.get_model_config("durable") and registry.tenant_for_key_hash(_sha("sk-durable"))
+    )
+    module_redis.restart()  # same port, empty: a Redis without persistence after a restart
+    # The timers re-assert the model config (every 2 s here) and re-sync the tenant (every 1 s here).
+    eventually(lambda: registry.get_model_config("durable"), timeout=20)
+    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-durable")), timeout=20)
+    kube.delete(f"{TENANTS}/durable")
+    eventually(lambda: kube.get(f"{TENANTS}/durable") is None)
