@@ -65,7 +65,7 @@ class ServerHandle:
     def core_pid(self) -> int:
         # multiprocessing's spawn children run "python -c from multiprocessing.spawn import ..."
         kids = children_of(self.proc.pid)
-        spawned = [k for k in kids if "spawn_main" in _cmdline(k)]  # not the resource tracker
+        spawned = [k for k in kids if "spawn_main" in cmdline(k)]  # not the resource tracker
         assert spawned, f"no engine core child of {self.proc.pid}: {kids}"
         return spawned[0]
 
@@ -105,7 +105,7 @@ class ServerHandle:
         return self.proc.returncode
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:

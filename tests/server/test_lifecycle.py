@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import alive, run_server
+from server_harness import alive, cmdline, descendants_of, run_server
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story about bread."}]}
 
@@ -193,3 +193,22 @@ def test_parent_sigkill_takes_the_core_down(demo_model, tmp_path):
         server.proc.kill()
         server.proc.wait(10)
         assert wait_until(lambda: not alive(core), timeout=10), "the engine core outlived its API server"
+
+
+def test_tensor_parallel_server_matches_and_a_dead_worker_fails_the_replica(demo_model, tmp_path, server):
+    """The server runs TP=2 (one worker process per rank) with the same greedy outputs; SIGKILL of one
+    worker turns the replica unhealthy within seconds and leaves no process behind."""
+    expected = completion(server).json()["choices"][0]["text"]
+    with run_server(
+        demo_model("llama", "tiny"), tmp_path, "--max-model-len", "512", "--tensor-parallel-size", "2"
+    ) as tp_server:
+        assert completion(tp_server).json()["choices"][0]["text"] == expected
+        core = tp_server.core_pid()
+        workers = [p for p in descendants_of(core) if "spawn_main" in cmdline(p)]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{tp_server.url}/health").status_code == 503, timeout=10)
+        r = completion(tp_server)
+        assert r.status_code == 503 and "worker" in r.json()["error"]["message"]
+        for pid in [core, *workers]:
+            assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived its engine"

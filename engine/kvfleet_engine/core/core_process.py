@@ -46,7 +46,8 @@ from kvfleet_engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_IDLE_POLL_S = 0.25  # how often an idle loop wakes up (presence resync, stats)
+_IDLE_POLL_S = 0.25
+_WORKER_FAILED = b"F"  # internal input-queue message from the executor's monitor thread  # how often an idle loop wakes up (presence resync, stats)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,9 @@ class EngineCoreProc:
         self._stats_dirty = True
         self._state = "awake"
         self._memory = self.engine.executor.memory_report()
+        if hasattr(self.engine.executor, "failure_callback"):
+            # A worker died: wake the (possibly idle) busy loop so the core fails at once, loudly.
+            self.engine.executor.failure_callback = lambda msg: self.input_queue.put((_WORKER_FAILED, msg))
 
     # ---- threads ---------------------------------------------------------------------------------
 
@@ -172,6 +176,8 @@ class EngineCoreProc:
 
     def _handle(self, kind: bytes, payload: Any) -> None:
         self._stats_dirty = True
+        if kind == _WORKER_FAILED:
+            raise RuntimeError(f"a worker process failed: {payload}")
         if kind == RequestKind.ADD.value:
             self._add(payload)
         elif kind == RequestKind.ABORT.value:
