@@ -12,6 +12,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvfleet_operator import crds, manifests
 from kvfleet_operator.cli import crd_files
@@ -186,3 +188,54 @@ def test_bad_tenant_specs_are_rejected():
         validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}, "limits": {"requestsPerMinute": -5}}})
     spec = validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}}})
     assert spec["models"] == ["*"] and spec["apiKeySecretRef"]["key"] == "apiKey" and spec["priority"] == 0
+
+
+# ---- property: any valid spec renders objects the API server would accept --------------------------------
+
+
+@st.composite
+def valid_model_docs(draw) -> dict:
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    pp = draw(st.sampled_from([p for p in (1, 2, 4, 8) if tp * p <= 8]))
+    accelerator = draw(st.sampled_from(["nvidia", "cpu"]))
+    engine: dict = {"tensorParallelSize": tp, "pipelineParallelSize": pp}
+    engine["dtype"] = draw(st.sampled_from(["auto", "float32", "float16", "bfloat16"]))
+    if draw(st.booleans()):
+        engine["maxNumSeqs"] = draw(st.integers(1, 512))
+        engine["maxNumBatchedTokens"] = engine["maxNumSeqs"] * draw(st.integers(1, 64))
+    memory = draw(st.sampled_from(["none", "kv", "gpu"] if accelerator == "nvidia" else ["none", "kv"]))
+    if memory == "kv":
+        engine["kvCacheMemory"] = draw(st.sampled_from(["512Mi", "8Gi", "1G", 1073741824]))
+    elif memory == "gpu":
+        engine["gpuMemoryUtilization"] = draw(st.floats(0.05, 1.0))
+    engine["enablePrefixCaching"] = draw(st.booleans())
+    uri = draw(
+        st.sampled_from(
+            ["pvc://models", "pvc://models/a/b", "hf://org/name", "hf://org/name@v2", "file:///opt/m"]
+        )
+    )
+    spec: dict = {
+        "model": {"uri": uri},
+        "engine": engine,
+        "replicas": draw(st.integers(0, 16)),
+        "accelerator": accelerator,
+        "sleep": {"idleSeconds": draw(st.integers(0, 3600)), "level": draw(st.sampled_from([1, 2]))},
+        "startupTimeoutSeconds": draw(st.integers(60, 7200)),
+    }
+    if draw(st.booleans()):
+        spec["resources"] = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}
+    if draw(st.booleans()):
+        spec["nodeSelector"] = {"pool": "gpu"}
+        spec["tolerations"] = [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+    name = draw(st.from_regex(r"[a-z][a-z0-9-]{0,20}[a-z0-9]", fullmatch=True))
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": "4b1c7c9e-0000-4000-8000-000000000001"},
+        "spec": spec,
+    }
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_model_docs())
+def test_any_valid_model_renders_manifests_kubernetes_accepts(doc):
+    for obj in manifests.children(model_spec_from(doc), OperatorConfig()):
+        kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
