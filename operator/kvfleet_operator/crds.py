@@ -27,6 +27,8 @@ MODEL_URI_PATTERN = (
 )
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
+# Model and tenant names as the Redis contract accepts them (kvfleet_common.redis_keys.check_name).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/@+=-]*$"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ACCELERATORS = ("nvidia", "cpu")
 PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "ScaledToZero", "Degraded", "Failed")
@@ -171,8 +173,8 @@ def inference_model_schema() -> dict:
                     "servedName": _str(
                         "The OpenAI model id clients ask for (default: metadata.name).",
                         minLength=1,
-                        maxLength=256,
-                        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                        maxLength=253,
+                        pattern=NAME_PATTERN,
                     ),
                     "tokenizer": _str("Tokenizer directory or URI if not the model's.", maxLength=1024),
                 },
@@ -231,7 +233,12 @@ def inference_model_schema() -> dict:
                         "description": "Only these tenants may use the model (absent: every tenant whose "
                         "model globs match).",
                         "maxItems": 1024,
-                        "items": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "items": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 253,
+                            "pattern": NAME_PATTERN,
+                        },
                     },
                 },
             },
@@ -292,7 +299,7 @@ def tenant_schema() -> dict:
                 "description": "Glob patterns of the served model names this tenant may use.",
                 "default": ["*"],
                 "maxItems": 256,
-                "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                "items": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": r"^\S+$"},
             },
             "limits": {
                 "type": "object",

@@ -193,10 +193,12 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
     ):
         try:
             model = model_spec_from(dict(body))
-        except SpecError as e:
-            kopf.warn(body, reason="InvalidSpec", message=str(e))
-            await write_failed(body, e, memo)
-            raise kopf.PermanentError(f"invalid spec: {e}") from e
+            config_record = model_config_record(model)
+        except ValueError as e:  # SpecError, or a name the Redis contract refuses
+            error = e if isinstance(e, SpecError) else SpecError(str(e))
+            kopf.warn(body, reason="InvalidSpec", message=str(error))
+            await write_failed(body, error, memo)
+            raise kopf.PermanentError(f"invalid spec: {error}") from e
         kube, registry_ = _kube(memo), _registry(memo)
         previous_name = body.get("status", {}).get("servedName")
         try:
@@ -208,7 +210,7 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         try:
             if previous_name and previous_name != model.served_name:
                 await registry_.purge_model(previous_name)
-            await registry_.put_model_config(model_config_record(model))
+            await registry_.put_model_config(config_record)
         except (redis.exceptions.RedisError, OSError) as e:
             raise kopf.TemporaryError(f"Redis unavailable: {e}", delay=RETRY_DELAY) from e
         verb = {"create": "Created", "resume": "Resumed"}.get(str(reason), "Updated")
@@ -259,14 +261,15 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
             return
         try:
             model = model_spec_from(dict(body))
-        except SpecError:
+            config_record = model_config_record(model)
+        except ValueError:
             return  # reported by reconcile_model
         if "active_since" not in memo:
             memo.active_since = time.time()
         try:
             registry_ = _registry(memo)
             # Re-assert: a Redis restart without persistence would otherwise leave the model unconfigured.
-            await registry_.put_model_config(model_config_record(model))
+            await registry_.put_model_config(config_record)
             await idle_sleep(body, model, memo, logger)
         except (redis.exceptions.RedisError, OSError) as e:
             logger.warning("Redis unavailable during the periodic check: %s", e)

@@ -166,6 +166,11 @@ def test_every_cel_rule_has_a_python_twin():
             "--port is set by the operator",
         ),
         ({"model": {"uri": "pvc://m"}, "sleep": {"level": 3}}, ".spec.sleep.level: 3 is greater than"),
+        (
+            {"model": {"uri": "pvc://m", "servedName": "org/m:latest"}},
+            ".spec.model.servedName: 'org/m:latest'",
+        ),
+        ({"model": {"uri": "pvc://m"}, "access": {"tenants": ["team a"]}}, ".spec.access.tenants[0]"),
     ],
 )
 def test_bad_model_specs_are_rejected_with_clear_messages(spec, message):
@@ -184,6 +189,8 @@ def test_bad_model_names_are_rejected():
 def test_bad_tenant_specs_are_rejected():
     with pytest.raises(SpecError, match="'apiKeySecretRef' is a required property"):
         validated_tenant({"spec": {}})
+    with pytest.raises(SpecError, match=r"spec.models\[0\]"):
+        validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}, "models": ["meta/* extra"]}})
     with pytest.raises(SpecError, match="requestsPerMinute: -5 is less than the minimum"):
         validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}, "limits": {"requestsPerMinute": -5}}})
     spec = validated_tenant({"spec": {"apiKeySecretRef": {"name": "s"}}})
@@ -239,3 +246,19 @@ def valid_model_docs(draw) -> dict:
 def test_any_valid_model_renders_manifests_kubernetes_accepts(doc):
     for obj in manifests.children(model_spec_from(doc), OperatorConfig()):
         kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize(
+    "name", ["meta-llama/Llama-3.1-8B", "a", "team_a", "m@rev", "x+y=z", "org/m:latest", "-x", "a b", "é"]
+)
+def test_crd_name_pattern_matches_the_redis_contract(name):
+    import re
+
+    from kvfleet_common.redis_keys import check_name
+
+    try:
+        check_name(name)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert bool(re.match(crds.NAME_PATTERN, name)) == accepted
