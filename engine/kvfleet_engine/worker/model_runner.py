@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
@@ -22,6 +23,17 @@ from kvfleet_engine.ops.attention_torch import make_plan
 from kvfleet_engine.worker.input_batch import CachedRequestState, InputBatch, new_request_state
 
 logger = logging.getLogger(__name__)
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU it comes from ``calloc`` (through numpy), which hands large
+    allocations over as fresh zero pages without writing them: gigabytes of KV cache are ready at
+    once (waking from sleep stays fast) and pages are touched only as blocks are first used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -89,8 +101,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             # Zeroed, not empty: masked-out slots must never hold NaN/Inf that 0 * x would spread.
-            k = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            k = zeroed_tensor(shape, self.config.dtype, self.device)
+            v = zeroed_tensor(shape, self.config.dtype, self.device)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
         self.num_blocks = num_blocks
