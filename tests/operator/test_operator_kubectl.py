@@ -89,10 +89,9 @@ def test_kubectl_apply_examples_and_the_operator_reacts(
     assert qwen["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert qwen["containers"][0]["image"] == "registry.test/engine:2"
     assert qwen["priorityClassName"] == "inference-high"
-    assert registry.get_model_config("meta-llama/Llama-3.1-8B-Instruct").allowed_tenants == [
-        "team-a",
-        "team-b",
-    ]
+    # The Redis config is written right after the owned objects.
+    config = eventually(lambda: registry.get_model_config("meta-llama/Llama-3.1-8B-Instruct"), timeout=30)
+    assert config.allowed_tenants == ["team-a", "team-b"]
 
     # The Secret came in with stringData; the tenant's key is stored only as its SHA-256.
     key_hash = hashlib.sha256(b"sk-team-a-change-me").hexdigest()
