@@ -29,6 +29,7 @@ CREDENTIALS_TOKEN_KEY = "admin-token"
 CONFIG_MOUNT = "/etc/kvfleet"
 STARTUP_PROBE_PERIOD = 10
 HEALTH_PATH = "/health"
+SHUTDOWN_MARGIN_S = 10  # of the grace period, kept for the process to exit after draining
 
 
 def selector_labels(model: ModelSpec) -> dict[str, str]:
@@ -120,7 +121,15 @@ def engine_args(model: ModelSpec) -> list[str]:
             args += [flag, str(value)]
     if not e.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    # On SIGTERM the engine lets in-flight requests finish for this long; keep it inside the pod's grace
+    # period so the kubelet's SIGKILL never cuts a drain short.
+    args += ["--shutdown-timeout", str(shutdown_timeout(model))]
     return args + list(e.extra_args)
+
+
+def shutdown_timeout(model: ModelSpec) -> int:
+    grace = model.termination_grace_period_seconds
+    return max(1, grace - SHUTDOWN_MARGIN_S) if grace > SHUTDOWN_MARGIN_S else max(1, grace // 2)
 
 
 def _engine_env(model: ModelSpec) -> list[dict[str, Any]]:

@@ -119,6 +119,9 @@ MANAGED_ENGINE_FLAGS = frozenset(
         "--device",
         "--tensor-parallel-size",
         "--pipeline-parallel-size",
+        "--shutdown-timeout",
+        "--replica-name",
+        "--base-url",
     }
 )
 

@@ -155,6 +155,10 @@ def test_probes_give_a_slow_model_load_its_full_startup_timeout():
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
+    # The engine's drain fits inside the grace period.
+    assert flag(container["args"], "--shutdown-timeout") == "290"
+    short = model_spec_from(model_obj(terminationGracePeriodSeconds=6))
+    assert flag(manifests.engine_args(short), "--shutdown-timeout") == "3"
     assert dep["spec"]["progressDeadlineSeconds"] > 3600
 
 
@@ -269,3 +273,46 @@ def test_builders_are_pure_and_share_no_objects():
         engine_container(manifests.deployment(model, CONFIG))["env"][-1]["valueFrom"]["secretKeyRef"]["name"]
         == "s"
     )
+
+
+def test_rendered_arguments_parse_with_the_engines_own_command_line():
+    """Contract with `kvfleet engine serve`: every flag the operator renders exists and means the same."""
+    server_cli = pytest.importorskip("kvfleet_engine.server.cli")
+    model = model_spec_from(
+        model_obj(
+            engine={
+                "tensorParallelSize": 2,
+                "pipelineParallelSize": 2,
+                "dtype": "bfloat16",
+                "maxModelLen": 4096,
+                "maxNumSeqs": 32,
+                "maxNumBatchedTokens": 4096,
+                "blockSize": 32,
+                "gpuMemoryUtilization": 0.8,
+                "enablePrefixCaching": False,
+                "seed": 3,
+            },
+            model={"uri": "pvc://models/llama", "servedName": "org/llama"},
+        )
+    )
+    args = server_cli.build_parser().parse_args(manifests.engine_args(model))
+    assert (args.model, args.host, args.port, args.served_model_name) == (
+        "/models/llama",
+        "0.0.0.0",
+        8000,
+        "org/llama",
+    )
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.device) == (2, 2, "cuda")
+    assert (args.dtype, args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (
+        "bfloat16",
+        4096,
+        32,
+        4096,
+    )
+    assert (args.block_size, args.gpu_memory_utilization, args.seed) == (32, 0.8, 3)
+    assert args.enable_prefix_caching is False and args.kv_cache_memory_bytes is None
+    assert args.shutdown_timeout == 110.0
+
+    cpu = model_spec_from(model_obj(accelerator="cpu", engine={"kvCacheMemory": "1Gi"}))
+    args = server_cli.build_parser().parse_args(manifests.engine_args(cpu))
+    assert args.device == "cpu" and args.kv_cache_memory_bytes == 2**30 and args.enable_prefix_caching is True
