@@ -213,14 +213,14 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
             await registry_.put_model_config(config_record)
         except (redis.exceptions.RedisError, OSError) as e:
             raise kopf.TemporaryError(f"Redis unavailable: {e}", delay=RETRY_DELAY) from e
-        verb = {"create": "Created", "resume": "Resumed"}.get(str(reason), "Updated")
-        kopf.event(
-            body,
-            type="Normal",
-            reason=verb,
-            message=f"{model.replicas} replica(s) of {model.served_name} "
-            f"({model.engine.accelerators_per_pod if model.accelerator == 'nvidia' else 0} GPU(s) each)",
-        )
+        if str(reason) != "resume":  # an operator restart re-applies every model: not news worth an Event
+            gpus = model.engine.accelerators_per_pod if model.accelerator == "nvidia" else 0
+            kopf.event(
+                body,
+                type="Normal",
+                reason="Created" if str(reason) == "create" else "Updated",
+                message=f"{model.replicas} replica(s) of {model.served_name} ({gpus} GPU(s) each)",
+            )
         logger.info("applied %s: %d replicas", model.name, model.replicas)
         await refresh_model_status(memo, model.namespace, model.name)
 

@@ -154,6 +154,7 @@ def test_spec_change_rolls_the_deployment(kube: KubeEmulator):
     generation = kube.get(model_path("roll"))["metadata"]["generation"]
     assert generation == 2
     eventually(lambda: status_of(kube, "roll").get("observedGeneration") == generation)
+    eventually(lambda: [e for e in kube.events_for("roll") if e["reason"] == "Updated"])
 
 
 def test_scale_subresource_scales_the_deployment(kube: KubeEmulator):
