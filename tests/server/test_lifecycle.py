@@ -36,6 +36,31 @@ def all_blocks_free(server) -> bool:
     )
 
 
+class BackgroundStream:
+    """A streamed completion read on a thread: ``lines`` fill in as they arrive, ``started`` is set at
+    the first one, ``join()`` waits for the end of the stream."""
+
+    def __init__(self, server, max_tokens: int) -> None:
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        body = {"model": "tiny", "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._read, args=(f"{server.url}/v1/completions", body))
+        self._thread.start()
+        assert self.started.wait(30), "the stream never started"
+
+    def _read(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.started.set()
+
+    def join(self, timeout: float = 30) -> list[str]:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream hung"
+        return self.lines
+
+
 def test_fifty_streams_cut_at_random_points_free_every_block(server):
     rng = random.Random(0)
 
@@ -83,21 +108,11 @@ def test_sleep_releases_memory_and_wake_restores_outputs(server, level):
     assert weights > 0 and kv > 0
 
     # a request in flight when sleep arrives is ended cleanly (error event), not hung
-    stream_result: dict = {}
-
-    def long_stream() -> None:
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-            stream_result["lines"] = [line for line in r.iter_lines() if line]
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    time.sleep(0.5)
+    stream = BackgroundStream(server, max_tokens=500)
     r = httpx.post(f"{server.url}/sleep?level={level}", headers=server.admin_headers, timeout=60)
     assert r.status_code == 200, r.text
-    t.join(30)
-    assert not t.is_alive()
-    assert stream_result["lines"][-1] == "data: [DONE]"
+    lines = stream.join()
+    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
 
     assert httpx.get(f"{server.url}/is_sleeping", headers=server.admin_headers).json() == {
         "is_sleeping": True
@@ -133,23 +148,9 @@ def test_sleep_releases_memory_and_wake_restores_outputs(server, level):
 def test_dead_core_turns_health_red_and_requests_fail_fast(demo_model, tmp_path):
     with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "2048") as server:
         core = server.core_pid()
-        lines: list[str] = []
-        streaming = threading.Event()
-
-        def in_flight() -> None:
-            body = {"model": "tiny", "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        streaming.set()
-
-        t = threading.Thread(target=in_flight)
-        t.start()
-        assert streaming.wait(20)
+        stream = BackgroundStream(server, max_tokens=2000)
         os.kill(core, signal.SIGKILL)
-        t.join(20)
-        assert not t.is_alive(), "a stream hung after the core died"
+        lines = stream.join(20)
         assert '"error"' in lines[-2] and "engine" in lines[-2] and lines[-1] == "data: [DONE]"
         assert not any('"finish_reason":"length"' in line for line in lines)
 
@@ -164,21 +165,11 @@ def test_dead_core_turns_health_red_and_requests_fail_fast(demo_model, tmp_path)
 
 def test_sigterm_finishes_in_flight_requests_then_exits(demo_model, tmp_path):
     with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "256") as server:
-        result: dict = {}
-
-        def in_flight() -> None:
-            body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-                result["lines"] = [line for line in r.iter_lines() if line]
-
-        t = threading.Thread(target=in_flight)
-        t.start()
-        time.sleep(0.5)
+        stream = BackgroundStream(server, max_tokens=200)
         server.proc.send_signal(signal.SIGTERM)
-        t.join(30)
-        assert result["lines"][-1] == "data: [DONE]"
-        finishes = [line for line in result["lines"] if '"finish_reason":"length"' in line]
-        assert finishes, result["lines"][-3:]  # it ran to completion, not aborted
+        lines = stream.join()
+        assert lines[-1] == "data: [DONE]"
+        assert any('"finish_reason":"length"' in line for line in lines), lines[-3:]  # completed, not aborted
         assert server.proc.wait(30) == 0
         assert "draining" in server.log()
         with pytest.raises(httpx.ConnectError):
