@@ -107,8 +107,7 @@ class AsyncLLM:
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.sleep_level = 0
-        # Called with (RequestOutput delta) after every step that touched requests; metrics hook.
-        self.stats_listeners: list = []
+        self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept until done
 
     async def start(self) -> None:
         await self.client.start()
@@ -198,10 +197,10 @@ class AsyncLLM:
             live = self._live.get(d.request_id)
             if live is not None:
                 live.collector.put(d)
-        for listener in self.stats_listeners:
-            listener(deltas)
-        if to_stop:
-            asyncio.get_running_loop().create_task(self.client.abort(to_stop))
+        if to_stop:  # a stop string matched: the core must stop generating for these sequences
+            task = asyncio.get_running_loop().create_task(self.client.abort(to_stop))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _on_dead(self, reason: str) -> None:
         err = EngineDeadError(reason)
