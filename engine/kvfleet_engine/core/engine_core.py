@@ -26,8 +26,9 @@ class StepRates:
 
     A step mixes prefill chunks and decodes; its time is split between them in proportion to
     their token counts, so a step's prefill rate is its total tokens / time. Decode throughput is
-    the decoding requests / step time (each gets one token per step). The gateway divides uncached prompt tokens by ``prefill_tokens_per_s`` to
-    predict time-to-first-token, so this must track the real engine, not a configured guess.
+    the decoding requests / step time (each gets one token per step). The gateway divides uncached
+    prompt tokens by ``prefill_tokens_per_s`` to predict time-to-first-token, so this must track the
+    real engine, not a configured guess.
     """
 
     prefill_tokens_per_s: float = 0.0
