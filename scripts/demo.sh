@@ -15,16 +15,17 @@ server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 echo "[demo] engine server starting on http://127.0.0.1:$port (log: $log)"
 .venv/bin/python - "$port" <<'PY'
-import json, sys, time
-import httpx
+# A plain-stdlib client: the engine extra alone (what this script installs) has no HTTP client library.
+import json, sys, time, urllib.error, urllib.request
 
 url = f"http://127.0.0.1:{sys.argv[1]}"
 deadline = time.time() + 300
 while True:
     try:
-        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            if r.status == 200:
+                break
+    except (urllib.error.URLError, OSError):
         pass
     if time.time() > deadline:
         sys.exit("[demo] the server did not become healthy; see .kvfleet/demo-server.log")
@@ -32,9 +33,10 @@ while True:
 body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me about the lighthouse on the hill."}],
         "max_tokens": 48, "temperature": 0}
 print(f"[demo] POST {url}/v1/chat/completions\n{json.dumps(body, indent=2)}")
-r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-r.raise_for_status()
-resp = r.json()
+req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=120) as r:
+    resp = json.load(r)
 print(f"[demo] -> {resp['choices'][0]['message']['content']!r}")
 print(f"[demo] usage: {resp['usage']}")
 PY
