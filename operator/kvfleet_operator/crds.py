@@ -68,6 +68,21 @@ def _free_object(description: str) -> dict:
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
+def _resource_schema(spec: dict, status: dict) -> dict:
+    """The top-level openAPIV3Schema of a custom resource with a required spec and a status."""
+    return {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
 def _conditions_schema() -> dict:
     return {
         "type": "array",
@@ -265,17 +280,7 @@ def inference_model_schema() -> dict:
             "conditions": _conditions_schema(),
         },
     }
-    return {
-        "type": "object",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
-        },
-    }
+    return _resource_schema(spec, status)
 
 
 def tenant_schema() -> dict:
@@ -326,17 +331,7 @@ def tenant_schema() -> dict:
             "conditions": _conditions_schema(),
         },
     }
-    return {
-        "type": "object",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
-        },
-    }
+    return _resource_schema(spec, status)
 
 
 def _crd(
