@@ -281,7 +281,7 @@ class EngineCoreProc:
     def _presence_stats(self):
         from kvfleet_common.schemas import ReplicaStats
 
-        s = self.stats() if hasattr(self, "engine") else CoreStats()
+        s = self.stats()  # called from the publisher thread, which run() starts after the engine exists
         return ReplicaStats(
             running=s.num_running,
             waiting=s.num_waiting,
