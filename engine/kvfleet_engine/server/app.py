@@ -7,16 +7,15 @@ Admin endpoints (sleep / wake / cache reset) need ``Authorization: Bearer <admin
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvfleet_common
+from kvfleet_common.http import ApiError, BodySizeLimit, bearer_matches, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,7 +30,6 @@ from kvfleet_common.openai_protocol import (
     error_body,
 )
 from kvfleet_engine.async_llm import AsyncLLM
-from kvfleet_engine.server.errors import ApiError, install_error_handlers
 from kvfleet_engine.server.metrics import EngineMetrics
 from kvfleet_engine.server.serving import OpenAIServing
 
@@ -50,58 +48,12 @@ _ERRORS = {
 }
 
 
-class BodySizeLimit:
-    """413 for request bodies over ``max_bytes`` (by Content-Length, or counted while streaming in)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
-                return
-        seen = 0
-        too_big = False
-
-        async def counting_receive() -> Message:
-            nonlocal seen, too_big
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    too_big = True
-                    raise _BodyTooLarge
-            return msg
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        body = JSONResponse(
-            error_body(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large"),
-            status_code=413,
-        )
-        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
-        await send({"type": "http.response.body", "body": body.body})
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
 def require_admin(request: Request) -> None:
     """Dependency of the admin endpoints: ``Authorization: Bearer <admin token>``, compared in constant time."""
     admin_token = request.app.state.admin_token
     if not admin_token:
         raise ApiError(403, "admin endpoints are disabled: start the server with --admin-token")
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_token.encode()):
+    if not bearer_matches(request, admin_token):
         raise ApiError(
             401,
             "a valid admin token is required (Authorization: Bearer <token>)",

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvfleet_common.http import ApiError
 from kvfleet_common.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,7 +45,6 @@ from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbort
 from kvfleet_engine.core_client import EngineDeadError
 from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams
-from kvfleet_engine.server.errors import ApiError
 from kvfleet_engine.server.metrics import EngineMetrics
 
 logger = logging.getLogger("kvfleet_engine.server")

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: one exception type for handlers, and the FastAPI handlers that render it.
+"""HTTP pieces the engine server and the gateway share: OpenAI-shaped errors, a body-size limit, bearer checks.
+
+Needs FastAPI (the engine and gateway extras); the operator never imports it.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the right
 status; validation errors are 400 (not FastAPI's 422), and an unexpected exception is a 500 with
@@ -7,12 +9,14 @@ a short message (the traceback goes to the log, never to the client).
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet_common.openai_protocol import error_body
 
@@ -79,3 +83,60 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+def bearer_token(request: Request) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def bearer_matches(request: Request, secret: str) -> bool:
+    """Whether the request carries ``secret`` as its bearer token (constant-time compare)."""
+    token = bearer_token(request)
+    return token is not None and hmac.compare_digest(token.encode(), secret.encode())
+
+
+class BodySizeLimit:
+    """413 for request bodies over ``max_bytes`` (by Content-Length, or counted while streaming in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send)
+                return
+        seen = 0
+        too_big = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen, too_big
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    too_big = True
+                    raise _BodyTooLarge
+            return msg
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = JSONResponse(
+            error_body(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large"),
+            status_code=413,
+        )
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+
+class _BodyTooLarge(Exception):
+    pass
