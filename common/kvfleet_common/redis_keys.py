@@ -23,8 +23,9 @@ kvf:tenant:<tenant>                    string  none               operator    JS
 kvf:tenant:<tenant>:keys               hash    none               operator    key id -> SHA-256 hex of the API key
 kvf:apikey:<sha256_hex>                string  none               operator    tenant name owning the key
 kvf:ratelimit:<tenant>:<minute>        hash    120 s              gateway     {requests, tokens} used in that minute
-kvf:inflight:replica:<replica_id>      string  300 s (refreshed)  gateway     requests the gateways have in flight
-kvf:inflight:tenant:<tenant>           string  300 s (refreshed)  gateway     the tenant's concurrent requests
+kvf:usage:<tenant>                     hash    none               gateway     cumulative requests and tokens
+kvf:gateways                           zset    none (pruned)      gateway     gateway id -> time of its last load report
+kvf:gateway:<gateway_id>:load          hash    10 s (refreshed)   gateway     that gateway's in-flight load per replica/tenant
 =====================================  ======  =================  ==========  =========================================
 
 A replica's heartbeat, its block set and its name record share one lifetime: every heartbeat
@@ -45,7 +46,9 @@ RESYNC_STAGING_TTL_S = 60.0
 WAKE_LOCK_TTL_MS = 30_000
 RATELIMIT_WINDOW_S = 60
 RATELIMIT_TTL_S = 120  # the current and the previous window stay readable
-INFLIGHT_TTL_S = 300  # bounds the damage of a gateway that died holding counts
+GATEWAY_LOAD_TTL_S = 10.0
+"""A gateway reports its in-flight load at least every ~1 s; a gateway silent this long is gone, and
+so is what it held (no counter leaks when a gateway dies with requests in flight)."""
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252}")
 _REPLICA_ID_RE = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252})#(?P<epoch>[0-9]{1,20})")
@@ -182,15 +185,28 @@ def ratelimit(tenant_name: str, minute: int) -> str:
     return f"{PREFIX}ratelimit:{check_name(tenant_name, 'tenant')}:{minute}"
 
 
-def inflight_replica(replica_id: str) -> str:
-    """STRING counter, TTL 300 s refreshed on every change: requests in flight to the replica."""
-    parse_replica_id(replica_id)
-    return f"{PREFIX}inflight:replica:{replica_id}"
+def usage(tenant_name: str) -> str:
+    """HASH of cumulative counters (``requests``, ``prompt_tokens``, ``completion_tokens``,
+    ``cached_tokens``, and the same per model as ``<model>|<counter>``); deleted with the tenant."""
+    return f"{PREFIX}usage:{check_name(tenant_name, 'tenant')}"
 
 
-def inflight_tenant(name: str) -> str:
-    """STRING counter, TTL 300 s refreshed on every change: the tenant's concurrent requests."""
-    return f"{PREFIX}inflight:tenant:{check_name(name, 'tenant')}"
+# ---- gateways ----------------------------------------------------------------------------------------
+
+
+def gateways() -> str:
+    """ZSET gateway id -> unix time of its last load report; members older than the load TTL are dead."""
+    return f"{PREFIX}gateways"
+
+
+def gateway_load(gateway_id: str) -> str:
+    """HASH, TTL ~10 s refreshed by its gateway: what that gateway has in flight right now.
+
+    Fields: ``ri:<replica_id>`` requests in flight to a replica, ``rp:<replica_id>`` prompt tokens
+    routed there that have not produced a first token yet (queued prefill), ``t:<tenant>`` the
+    tenant's requests in flight. Each gateway writes only its own hash (absolute values, never
+    increments), so a gateway that dies takes its counts with it when the hash expires."""
+    return f"{PREFIX}gateway:{check_name(gateway_id, 'gateway id')}:load"
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -215,6 +231,7 @@ class KeySpec:
             "<rev>": r"[0-9a-f]{64}",
             "<sha256_hex>": r"[0-9a-f]{64}",
             "<minute>": r"[0-9]+",
+            "<gateway_id>": name,
         }
         out = re.escape(self.pattern)
         for placeholder, rx in parts.items():
@@ -253,10 +270,12 @@ KEY_SPECS: tuple[KeySpec, ...] = (
             "tenant name owning the API key with this SHA-256"),
     KeySpec("kvf:ratelimit:<tenant>:<minute>", "hash", f"{RATELIMIT_TTL_S} s", "gateway", "gateway",
             "{requests, tokens} the tenant used in that minute"),
-    KeySpec("kvf:inflight:replica:<replica_id>", "string", f"{INFLIGHT_TTL_S} s, refreshed on change",
-            "gateway", "gateway", "requests in flight to the replica"),
-    KeySpec("kvf:inflight:tenant:<tenant>", "string", f"{INFLIGHT_TTL_S} s, refreshed on change", "gateway",
-            "gateway", "the tenant's requests in flight"),
+    KeySpec("kvf:usage:<tenant>", "hash", "none; deleted with the tenant", "gateway", "gateway (admin usage)",
+            "cumulative requests / prompt, completion and cached tokens, also per model (<model>|<counter>)"),
+    KeySpec("kvf:gateways", "zset", "none; members older than the load TTL pruned", "gateway", "gateway",
+            "gateway id -> unix time of its last load report"),
+    KeySpec("kvf:gateway:<gateway_id>:load", "hash", f"{GATEWAY_LOAD_TTL_S:g} s, refreshed every ~1 s", "gateway",
+            "gateway", "its in flight load: ri:<replica> requests, rp:<replica> queued prompt tokens, t:<tenant>"),
 )  # fmt: skip
 
 _SPEC_REGEXES = [(spec, spec.regex()) for spec in KEY_SPECS]

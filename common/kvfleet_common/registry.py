@@ -302,14 +302,14 @@ if not name then return false end
 return redis.call('GET', ARGV[1] .. 'tenant:' .. name)
 """
 
-# KEYS: tenant, tenant keys, tenants. ARGV: tenant, key prefix. -> 1 if the tenant existed.
+# KEYS: tenant, tenant keys, tenants, usage. ARGV: tenant, key prefix. -> 1 if the tenant existed.
 _DELETE_TENANT = """
 for _, h in ipairs(redis.call('HVALS', KEYS[2])) do
   local k = ARGV[2] .. 'apikey:' .. h
   if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
 end
 local existed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[4])
 redis.call('SREM', KEYS[3], ARGV[1])
 return existed
 """
@@ -319,7 +319,7 @@ _PURGE_MODEL = """
 local p = ARGV[2]
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local hb = p .. 'replica:' .. id
-  redis.call('UNLINK', hb, hb .. ':blocks', hb .. ':resync', p .. 'inflight:replica:' .. id)
+  redis.call('UNLINK', hb, hb .. ':blocks', hb .. ':resync')
   local name = string.match(id, '^(.*)#%d+$')
   if name and redis.call('GET', p .. 'name:' .. name) == id then redis.call('DEL', p .. 'name:' .. name) end
 end
@@ -329,6 +329,63 @@ end
 redis.call('UNLINK', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 redis.call('SREM', KEYS[2], ARGV[1])
 return 1
+"""
+
+# The gateway's one round trip per request: admission (tenant limits) + routing facts (prefix match and
+# the other gateways' in-flight load per candidate replica).
+# KEYS: gateways zset, the tenant's rate-limit window, model activity.
+# ARGV: 1 key prefix, 2 own gateway id, 3 now, 4 load ttl s, 5 tenant, 6 requests/min (0 = none),
+#       7 tokens/min, 8 max concurrent, 9 the tenant's in-flight requests on this gateway, 10 window ttl,
+#       11 number of candidates, 12 max match chunk, then candidate replica ids, then block hashes.
+# -> {'ok', matched, inflight, pending} per candidate (other gateways' load only), or {reason, used} when
+#    refused ('concurrency' | 'requests' | 'tokens'); nothing is counted for a refused request.
+_ADMIT = """
+local p = ARGV[1]
+local loads = {}
+for _, g in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], tonumber(ARGV[3]) - tonumber(ARGV[4]), '+inf')) do
+  if g ~= ARGV[2] then loads[#loads + 1] = p .. 'gateway:' .. g .. ':load' end
+end
+local max_conc = tonumber(ARGV[8])
+if max_conc > 0 then
+  local n = tonumber(ARGV[9])
+  for _, k in ipairs(loads) do n = n + tonumber(redis.call('HGET', k, 't:' .. ARGV[5]) or '0') end
+  if n >= max_conc then return {'concurrency', n} end
+end
+local used = redis.call('HMGET', KEYS[2], 'requests', 'tokens')
+local reqs, toks = tonumber(used[1] or '0'), tonumber(used[2] or '0')
+if tonumber(ARGV[6]) > 0 and reqs >= tonumber(ARGV[6]) then return {'requests', reqs} end
+if tonumber(ARGV[7]) > 0 and toks >= tonumber(ARGV[7]) then return {'tokens', toks} end
+redis.call('HINCRBY', KEYS[2], 'requests', 1)
+redis.call('EXPIRE', KEYS[2], ARGV[10])
+redis.call('SET', KEYS[3], ARGV[3])
+local nc, max_chunk = tonumber(ARGV[11]), tonumber(ARGV[12])
+local first_hash = 13 + nc
+local matched, inflight, pending, fields = {}, {}, {}, {}
+for i = 1, nc do
+  local id = ARGV[12 + i]
+  local set = p .. 'replica:' .. id .. ':blocks'
+  local n, pos, done, chunk = 0, first_hash, false, 16
+  while pos <= #ARGV and not done do
+    local last = math.min(pos + chunk - 1, #ARGV)
+    chunk = math.min(chunk * 2, max_chunk)
+    for _, f in ipairs(redis.call('SMISMEMBER', set, unpack(ARGV, pos, last))) do
+      if f == 1 then n = n + 1 else done = true; break end
+    end
+    pos = last + 1
+  end
+  matched[i], inflight[i], pending[i] = n, 0, 0
+  fields[2 * i - 1], fields[2 * i] = 'ri:' .. id, 'rp:' .. id
+end
+if nc > 0 then
+  for _, k in ipairs(loads) do
+    local v = redis.call('HMGET', k, unpack(fields))
+    for i = 1, nc do
+      inflight[i] = inflight[i] + tonumber(v[2 * i - 1] or '0')
+      pending[i] = pending[i] + tonumber(v[2 * i] or '0')
+    end
+  end
+end
+return {'ok', matched, inflight, pending}
 """
 
 # KEYS: lock. ARGV: holder. -> 1 released, 0 not held by holder.
@@ -351,7 +408,7 @@ HEARTBEAT, CLAIM, DEREGISTER, APPLY, REPLACE = map(
     Script, (_HEARTBEAT, _CLAIM, _DEREGISTER, _APPLY, _REPLACE)
 )
 LIVE, PREFIX_MATCH, ADD_KEY, REMOVE_KEY = map(Script, (_LIVE, _PREFIX_MATCH, _ADD_KEY, _REMOVE_KEY))
-LIST_MODELS = Script(_LIST_MODELS)
+LIST_MODELS, ADMIT = Script(_LIST_MODELS), Script(_ADMIT)
 TENANT_FOR_KEY, DELETE_TENANT, PURGE_MODEL, RELEASE_LOCK = map(
     Script, (_TENANT_FOR_KEY, _DELETE_TENANT, _PURGE_MODEL, _RELEASE_LOCK)
 )
@@ -597,7 +654,9 @@ def op_list_tenants() -> Op:
 
 def op_delete_tenant(name: str) -> Op:
     existed = yield Eval(
-        DELETE_TENANT, [keys.tenant(name), keys.tenant_keys(name), keys.tenants()], [name, keys.PREFIX]
+        DELETE_TENANT,
+        [keys.tenant(name), keys.tenant_keys(name), keys.tenants(), keys.usage(name)],
+        [name, keys.PREFIX],
     )
     return bool(existed)
 
@@ -713,6 +772,146 @@ def op_record_usage(tenant_name: str, requests: int, tokens: int, now: float | N
         transaction=True,
     )  # fmt: skip
     return int(req), int(tok)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What the gateway asks Redis before proxying one request (see ``op_admit``).
+
+    ``local_tenant_inflight`` is the tenant's requests in flight on the asking gateway: it knows its own
+    count exactly, Redis holds the others' (reported by ``op_report_gateway``)."""
+
+    gateway_id: str
+    tenant: TenantRecord
+    local_tenant_inflight: int
+    model: str
+    candidates: Sequence[str]  # replica ids
+    block_hashes: Sequence[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """``refused`` is None when admitted, else "concurrency" | "requests" | "tokens" (what ran out).
+
+    Per candidate (same order as asked): leading blocks it caches, and the requests in flight to it and
+    queued prompt tokens routed to it by *other* gateways."""
+
+    refused: str | None
+    used: int = 0  # when refused: the count that hit the limit
+    matched_blocks: tuple[int, ...] = ()
+    inflight: tuple[int, ...] = ()
+    pending_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """Tokens one finished request used, charged to its tenant (and to the tokens/min window)."""
+
+    tenant: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+def op_admit(a: Admission, now: float | None) -> Op:
+    now = time.time() if now is None else float(now)
+    t = a.tenant
+    minute = int(now // keys.RATELIMIT_WINDOW_S)
+    keys.check_name(a.gateway_id, "gateway id")
+    candidates = [keys.parse_replica_id(r) and r for r in a.candidates]
+    reply = yield Eval(
+        ADMIT,
+        [keys.gateways(), keys.ratelimit(t.name, minute), keys.model_activity(a.model)],
+        [keys.PREFIX, a.gateway_id, repr(now), keys.GATEWAY_LOAD_TTL_S, t.name, t.requests_per_minute or 0,
+         t.tokens_per_minute or 0, t.max_concurrent or 0, int(a.local_tenant_inflight), keys.RATELIMIT_TTL_S,
+         len(candidates), MATCH_CHUNK, *candidates, *_check_hashes(a.block_hashes)],
+    )  # fmt: skip
+    status = _text(reply[0])
+    if status != "ok":
+        return AdmitResult(refused=status, used=int(reply[1]))
+    matched, inflight, pending = (tuple(int(x) for x in part) for part in reply[1:4])
+    return AdmitResult(None, 0, matched, inflight, pending)
+
+
+def op_report_gateway(
+    gateway_id: str,
+    replica_load: Mapping[str, tuple[int, int]],
+    tenant_inflight: Mapping[str, int],
+    usage: Sequence[UsageRecord],
+    now: float | None,
+) -> Op:
+    """One pipeline: replace this gateway's load hash (absolute values; TTL refreshed), mark it alive, and
+    add finished requests' usage to the tenants' counters and tokens/min windows."""
+    now = time.time() if now is None else float(now)
+    load_key = keys.gateway_load(gateway_id)
+    fields: list[Any] = []
+    for rid, (inflight, pending) in sorted(replica_load.items()):
+        keys.parse_replica_id(rid)
+        if inflight or pending:
+            fields += [f"ri:{rid}", int(inflight), f"rp:{rid}", int(pending)]
+    for name, n in sorted(tenant_inflight.items()):
+        if n:
+            fields += [f"t:{keys.check_name(name, 'tenant')}", int(n)]
+    cmds: list[tuple[Any, ...]] = [("DEL", load_key)]
+    if fields:
+        cmds += [("HSET", load_key, *fields), ("PEXPIRE", load_key, _ttl_ms(keys.GATEWAY_LOAD_TTL_S))]
+    cmds += [
+        ("ZADD", keys.gateways(), repr(now), gateway_id),
+        ("ZREMRANGEBYSCORE", keys.gateways(), "-inf", repr(now - 6 * keys.GATEWAY_LOAD_TTL_S)),
+    ]
+    window = keys.ratelimit  # the tokens/min window of the minute the request finished in
+    minute = int(now // keys.RATELIMIT_WINDOW_S)
+    for u in usage:
+        k = keys.usage(u.tenant)
+        counts = (1, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        for name, n in zip(USAGE_COUNTERS, counts):
+            cmds += [
+                ("HINCRBY", k, name, int(n)),
+                ("HINCRBY", k, f"{keys.check_name(u.model, 'model')}|{name}", int(n)),
+            ]
+        w = window(u.tenant, minute)
+        cmds += [("HINCRBY", w, "tokens", int(u.prompt_tokens + u.completion_tokens)),
+                 ("EXPIRE", w, keys.RATELIMIT_TTL_S)]  # fmt: skip
+    yield Batch(cmds, transaction=True)
+
+
+def op_remove_gateway(gateway_id: str) -> Op:
+    yield Batch(
+        [("DEL", keys.gateway_load(gateway_id)), ("ZREM", keys.gateways(), gateway_id)], transaction=True
+    )
+
+
+def op_tenant_usage(names: Sequence[str], now: float | None) -> Op:
+    """Per tenant: cumulative counters (``{"total": {...}, "models": {model: {...}}}``) and the current
+    minute's ``{"requests", "tokens"}``."""
+    now = time.time() if now is None else float(now)
+    names = list(names)
+    if not names:
+        return {}
+    minute = int(now // keys.RATELIMIT_WINDOW_S)
+    cmds: list[tuple[Any, ...]] = []
+    for n in names:
+        cmds += [("HGETALL", keys.usage(n)), ("HGETALL", keys.ratelimit(n, minute))]
+    replies = yield Batch(cmds)
+    out: dict[str, dict[str, Any]] = {}
+    for i, n in enumerate(names):
+        total = dict.fromkeys(USAGE_COUNTERS, 0)
+        per_model: dict[str, dict[str, int]] = {}
+        for field_, value in replies[2 * i].items():
+            name = _text(field_)
+            model, sep, counter = name.rpartition("|")
+            if sep:
+                per_model.setdefault(model, dict.fromkeys(USAGE_COUNTERS, 0))[counter] = int(value)
+            else:
+                total[name] = int(value)
+        window = {_text(k): int(v) for k, v in replies[2 * i + 1].items()}
+        out[n] = {"total": total, "models": per_model,
+                  "this_minute": {"requests": window.get("requests", 0), "tokens": window.get("tokens", 0)}}  # fmt: skip
+    return out
 
 
 def _ttl_ms(ttl: float) -> int:
@@ -857,6 +1056,28 @@ class _Registry:
     def release_wake_lock(self, model: str, holder: str) -> bool:
         """Release the lock only if ``holder`` still holds it (it may have expired and been retaken)."""
         return self._run(op_release_wake_lock(model, holder))
+
+    def admit(self, admission: Admission, now: float | None = None) -> AdmitResult:
+        """Admission + routing facts for one request in one round trip (the gateway's hot path)."""
+        return self._run(op_admit(admission, now))
+
+    def report_gateway(
+        self,
+        gateway_id: str,
+        replica_load: Mapping[str, tuple[int, int]],
+        tenant_inflight: Mapping[str, int],
+        usage: Sequence[UsageRecord] = (),
+        now: float | None = None,
+    ) -> None:
+        """Publish a gateway's in-flight load (replica -> (requests, queued prompt tokens); tenant ->
+        requests) and charge finished requests' usage, in one round trip."""
+        return self._run(op_report_gateway(gateway_id, replica_load, tenant_inflight, usage, now))
+
+    def remove_gateway(self, gateway_id: str) -> None:
+        return self._run(op_remove_gateway(gateway_id))
+
+    def tenant_usage(self, names: Sequence[str], now: float | None = None) -> dict[str, dict[str, Any]]:
+        return self._run(op_tenant_usage(names, now))
 
     def record_usage(
         self, tenant_name: str, requests: int, tokens: int, now: float | None = None

@@ -27,8 +27,9 @@ EXAMPLE_KEYS = {
     "kvf:tenant:<tenant>:keys": keys.tenant_keys("acme"),
     "kvf:apikey:<sha256_hex>": keys.api_key(SHA),
     "kvf:ratelimit:<tenant>:<minute>": keys.ratelimit("acme", 28_333_333),
-    "kvf:inflight:replica:<replica_id>": keys.inflight_replica("pod-0#1"),
-    "kvf:inflight:tenant:<tenant>": keys.inflight_tenant("acme"),
+    "kvf:usage:<tenant>": keys.usage("acme"),
+    "kvf:gateways": keys.gateways(),
+    "kvf:gateway:<gateway_id>:load": keys.gateway_load("gw-host-1234"),
 }
 
 

@@ -11,7 +11,7 @@ import redis.asyncio
 
 from kvfleet_common import redis_keys as keys
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import AsyncRegistry, Registry, RegistryError, SupersededError
+from kvfleet_common.registry import AsyncRegistry, Registry, RegistryError, SupersededError, UsageRecord
 from kvfleet_common.schemas import Heartbeat, ModelConfig, TenantRecord
 
 MODEL = "org/tiny-llama"
@@ -337,8 +337,7 @@ def _full_scenario(reg: Registry) -> str:
     reg.put_tenant(TenantRecord(name="acme"))
     reg.add_api_key("acme", "ab" * 32)
     reg.record_usage("acme", 1, 10)
-    reg.client.incr(keys.inflight_replica("m1-0#1"))
-    reg.client.incr(keys.inflight_tenant("acme"))
+    reg.report_gateway("gw-1", {"m1-0#1": (1, 100)}, {"acme": 1}, [UsageRecord("acme", MODEL, 10, 5)])
     return rev
 
 
