@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "engine_main",
         "engine commands: serve (one OpenAI-compatible replica), generate",
     ),
+    "gateway": ("kvfleet_gateway.cli", "main", "run the multi-tenant OpenAI gateway (prefix-aware routing)"),
     "operator": ("kvfleet_operator.cli", "main", "run the Kubernetes operator (kopf); also: crds, render"),
 }
 

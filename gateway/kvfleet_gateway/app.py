@@ -1,0 +1,191 @@
+"""The gateway's FastAPI app: the OpenAI endpoints for tenants, the admin API, health and metrics.
+
+State lives in Redis; this process holds caches and background tasks only (registry snapshot refresh,
+load reporting), so any number of gateways can run side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import httpx
+import redis.asyncio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import kvfleet_common
+from kvfleet_common.http import ApiError, BodySizeLimit, bearer_token, install_error_handlers
+from kvfleet_common.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvfleet_common.registry import AsyncRegistry
+from kvfleet_common.schemas import TenantRecord
+from kvfleet_gateway.admin import build_admin_router
+from kvfleet_gateway.config import GatewayConfig
+from kvfleet_gateway.fleet import FleetView, RedisCalls, RedisUnavailable, TenantCache
+from kvfleet_gateway.load import LoadTracker
+from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.proxy import Proxy
+from kvfleet_gateway.tokenization import TokenizerCache
+from kvfleet_gateway.wake import Waker
+
+logger = logging.getLogger("kvfleet_gateway")
+
+_ERRORS = {
+    s: {"model": ErrorResponse, "description": d}
+    for s, d in [(400, "invalid request"), (401, "invalid API key"), (403, "model not allowed"),
+                 (404, "unknown model"), (413, "body too large"), (429, "rate limited"), (503, "unavailable")]
+}  # fmt: skip
+
+
+async def require_tenant(request: Request) -> TenantRecord:
+    """Dependency: ``Authorization: Bearer <api key>`` -> the tenant (401 otherwise)."""
+    token = bearer_token(request)
+    if token is None:
+        request.app.state.metrics.rejected.labels("auth").inc()
+        raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    try:
+        tenant = await request.app.state.tenants.lookup(hashlib.sha256(token.encode()).hexdigest())
+    except RedisUnavailable as e:
+        raise ApiError(
+            503, f"{e}; retry shortly", code="registry_unavailable", headers={"Retry-After": "2"}
+        ) from None
+    if tenant is None:
+        request.app.state.metrics.rejected.labels("auth").inc()
+        raise ApiError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
+Tenant = Annotated[TenantRecord, Depends(require_tenant)]
+
+
+def build_app(config: GatewayConfig) -> FastAPI:
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = redis.asyncio.Redis.from_url(
+            config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
+            retry_on_timeout=False,
+        )  # fmt: skip
+        registry = AsyncRegistry(client)
+        calls = RedisCalls(registry, metrics)
+        fleet = FleetView(calls, metrics, config.registry_refresh_s, config.registry_max_staleness_s)
+        http = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.upstream_read_timeout_s, connect=config.upstream_connect_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_upstream_connections,
+                                max_keepalive_connections=config.max_upstream_connections),
+            trust_env=False,
+        )  # fmt: skip
+        load = LoadTracker(config.gateway_id, calls, config.load_report_interval_s)
+        tokenizers = TokenizerCache(lambda m, rev: calls("fetch_tokenizer", "background",
+                                                         lambda: registry.fetch_tokenizer(m, rev)))  # fmt: skip
+        waker = Waker(
+            fleet, calls, http, metrics, config.admin_token, config.gateway_id, config.wake_timeout_s
+        )
+        st = app.state
+        st.registry, st.fleet, st.http, st.load, st.waker = registry, fleet, http, load, waker
+        st.tenants = TenantCache(calls, config.tenant_cache_ttl_s, config.registry_max_staleness_s)
+        st.proxy = Proxy(config, fleet, calls, load, tokenizers, waker, metrics, http)
+        try:
+            await fleet.refresh()
+        except Exception as e:  # start anyway: the refresher keeps trying; requests get 503 meanwhile
+            logger.warning("initial registry read failed (%s); retrying in the background", e)
+        tasks = [asyncio.create_task(fleet.run(), name="registry-refresh"),
+                 asyncio.create_task(load.run(), name="load-report")]  # fmt: skip
+        logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, _redact(config.redis_url),
+                    len(fleet.models))  # fmt: skip
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await load.close()
+            await http.aclose()
+            await registry.aclose()
+
+    app = FastAPI(
+        title="kvfleet gateway",
+        version=kvfleet_common.__version__,
+        description="One OpenAI-compatible endpoint for every tenant and model, routed to the replica that "
+        "already caches the prompt's prefix. Admin API under /admin.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models(tenant: Tenant, request: Request) -> ModelList:
+        fleet: FleetView = request.app.state.fleet
+        cards = []
+        for name, view in sorted(fleet.models.items()):
+            if not tenant.allows_model(name) or (
+                view.config is not None and not view.config.allows_tenant(tenant.name)
+            ):
+                continue
+            max_len = max((hb.max_model_len for hb in view.replicas), default=None)
+            cards.append(ModelCard(id=name, root=name, max_model_len=max_len))
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, tenant: Tenant, request: Request):
+        return await request.app.state.proxy.handle("completions", body, tenant, request)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, request: Request):
+        return await request.app.state.proxy.handle("chat", body, tenant, request)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """Liveness: the process serves. ``registry`` tells whether the Redis snapshot is fresh."""
+        fleet: FleetView = request.app.state.fleet
+        try:
+            fleet.check_fresh()
+            registry = "ok"
+        except RedisUnavailable:
+            registry = "stale"
+        return JSONResponse({"status": "ok", "registry": registry, "models": len(fleet.models),
+                             "gateway_id": config.gateway_id})  # fmt: skip
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        """Readiness: 503 while the gateway cannot route (Redis unreachable past the staleness bound)."""
+        try:
+            request.app.state.fleet.check_fresh()
+        except RedisUnavailable as e:
+            return JSONResponse({"status": "unavailable", "detail": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvfleet_common.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(build_admin_router())
+    return app
+
+
+def _redact(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -1,0 +1,86 @@
+"""``kvfleet gateway``: run the multi-tenant OpenAI gateway (uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvfleet_gateway.routing import POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet gateway", description=__doc__)
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVFLEET_REDIS_URL"),
+        help="Redis shared by engines, gateways and the operator (env KVFLEET_REDIS_URL)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVFLEET_ADMIN_TOKEN"),
+        help="bearer token of the admin API and of the engines' admin endpoints (env KVFLEET_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--default-policy",
+        choices=POLICIES,
+        default="prefix-aware",
+        help="routing policy of models without a config in Redis",
+    )
+    p.add_argument(
+        "--gateway-id", default=None, help="id of this gateway in Redis (default: host-pid-random)"
+    )
+    p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
+    p.add_argument(
+        "--wake-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request waits for a sleeping model to wake before a 503",
+    )
+    p.add_argument(
+        "--registry-max-staleness",
+        type=float,
+        default=30.0,
+        help="seconds to keep routing from the last known registry while Redis is unreachable",
+    )
+    p.add_argument("--log-level", default="info")
+    return p  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.redis_url:
+        print("kvfleet gateway: --redis-url (or KVFLEET_REDIS_URL) is required")
+        return 2
+    import uvicorn
+
+    from kvfleet_common.tracing import setup_tracing
+    from kvfleet_gateway.app import build_app
+    from kvfleet_gateway.config import GatewayConfig
+
+    level = getattr(logging, args.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; ours says more
+    setup_tracing("kvfleet-gateway")
+    kw = {"gateway_id": args.gateway_id} if args.gateway_id else {}
+    try:
+        config = GatewayConfig(
+            redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
+            max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
+            registry_max_staleness_s=args.registry_max_staleness, **kw,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"kvfleet gateway: {e}")
+        return 2
+    app = build_app(config)
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,ready,metrics")
+    except ImportError:
+        pass
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=30)  # fmt: skip
+    return 0

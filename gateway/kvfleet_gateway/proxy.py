@@ -1,0 +1,449 @@
+"""One client request, end to end: model checks, routing, the upstream call, streaming, metering.
+
+Order of checks (each a clear OpenAI-shaped error): the tenant's key (401, done by the auth
+dependency) -> the model exists (404) -> the tenant may use it (403) -> a replica can serve it
+(wake a sleeping model and wait, bounded; else 503) -> admission in Redis (429 with Retry-After).
+
+The request is forwarded as the client sent it, with three changes: ``priority`` becomes the tenant's
+(engine priority: lower runs first; a client may only lower its own), ``cache_salt`` becomes the
+tenant's salt (so tenants never share KV blocks or learn about each other's prompts through timing)
+and, when streaming, ``stream_options.include_usage`` is switched on to meter tokens; the usage chunk
+is dropped again if the client did not ask for it.
+
+Retries: a connection refused/reset, or a 5xx from a replica before anything reached the client,
+moves on to the next-ranked candidate. Once a byte of a stream was sent, a failure becomes an SSE
+error event followed by ``[DONE]``: the client always sees the stream end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+
+from kvfleet_common import redis_keys
+from kvfleet_common.hashing import hash_blocks
+from kvfleet_common.http import ApiError
+from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvfleet_common.registry import Admission, AdmitResult, UsageRecord
+from kvfleet_common.schemas import Heartbeat, TenantRecord
+from kvfleet_common.tracing import inject_headers
+from kvfleet_gateway.config import GatewayConfig
+from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable
+from kvfleet_gateway.load import LoadTracker, Ticket
+from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.routing import Candidate, Decision, choose
+from kvfleet_gateway.tokenization import TokenizerCache, prompt_token_ids
+from kvfleet_gateway.wake import Waker
+
+logger = logging.getLogger("kvfleet_gateway.requests")
+tracer = trace.get_tracer("kvfleet.gateway")
+
+MAX_ATTEMPTS = 3
+DOWN_AFTER_CONNECT_ERROR_S = redis_keys.HEARTBEAT_TTL_S + 1.0
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+@dataclass(slots=True)
+class Routed:
+    """Everything known about one proxied request (for the response, metrics, logs and the span)."""
+
+    request_id: str
+    endpoint: str
+    tenant: TenantRecord
+    model: str
+    started: float
+    prompt_tokens: int | None = None
+    decision: Decision | None = None
+    replica: Candidate | None = None
+    predicted_cached: int = 0
+    attempts: int = 0
+    status: int = 0
+    first_byte_at: float | None = None
+    usage: dict[str, Any] | None = None
+    fallbacks: list[str] = field(default_factory=list)
+
+
+def _salt(tenant: TenantRecord, client_salt: str | None) -> str:
+    """The salt the engine hashes with: the tenant's own, extended (never replaced) by the client's."""
+    return tenant.cache_salt + ("\x1f" + client_salt if client_salt else "")
+
+
+def _retry_after_minute(now: float) -> str:
+    return str(max(1, math.ceil(redis_keys.RATELIMIT_WINDOW_S - now % redis_keys.RATELIMIT_WINDOW_S)))
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        fleet: FleetView,
+        redis_calls: RedisCalls,
+        load: LoadTracker,
+        tokenizers: TokenizerCache,
+        waker: Waker,
+        metrics: GatewayMetrics,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.redis = redis_calls
+        self.load = load
+        self.tokenizers = tokenizers
+        self.waker = waker
+        self.metrics = metrics
+        self.client = client
+        self._counter = 0
+
+    # ---- entry point ---------------------------------------------------------------------------------
+
+    async def handle(
+        self,
+        endpoint: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        tenant: TenantRecord,
+        raw: Request,
+    ) -> Response:
+        r = Routed(
+            request_id=raw.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}",
+            endpoint=endpoint, tenant=tenant, model=body.model, started=time.perf_counter(),
+        )  # fmt: skip
+        with tracer.start_as_current_span("kvfleet.gateway.route") as span:
+            span.set_attributes({"kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model,
+                                 "kvfleet.endpoint": endpoint, "kvfleet.request_id": r.request_id})  # fmt: skip
+            try:
+                response = await self._route_and_send(r, body, raw, span)
+            except ApiError as e:
+                r.status = e.status
+                span.set_attribute("http.response.status_code", e.status)
+                self._finish(r)
+                raise
+            return response
+
+    # ---- routing -------------------------------------------------------------------------------------
+
+    def _check_model(self, r: Routed):
+        try:
+            self.fleet.check_fresh()
+        except RedisUnavailable as e:
+            raise ApiError(503, f"{e}; retry shortly", code="registry_unavailable",
+                           headers={"Retry-After": "2"}) from None  # fmt: skip
+        view = self.fleet.model(r.model)
+        if view is None:
+            self.metrics.rejected.labels("unknown_model").inc()
+            raise ApiError(
+                404, f"the model {r.model!r} does not exist", param="model", code="model_not_found"
+            )
+        if not r.tenant.allows_model(r.model) or (
+            view.config is not None and not view.config.allows_tenant(r.tenant.name)
+        ):
+            self.metrics.rejected.labels("forbidden").inc()
+            raise ApiError(403, f"tenant {r.tenant.name!r} may not use the model {r.model!r}",
+                           param="model", code="model_not_allowed")  # fmt: skip
+        return view
+
+    async def _awake_replicas(self, r: Routed) -> list[Heartbeat]:
+        view = self._check_model(r)
+        awake = [hb for hb in view.awake() if not self.fleet.is_down(hb.replica_id)]
+        if awake:
+            return awake
+        if not view.sleeping():
+            self.metrics.rejected.labels("no_replica").inc()
+            raise ApiError(503, f"no replica of {r.model!r} is available right now; retry shortly",
+                           code="no_replica", headers={"Retry-After": "5"})  # fmt: skip
+        await self.waker.ensure_awake(r.model)  # bounded; raises a 503 on timeout
+        view = self._check_model(r)
+        awake = [hb for hb in view.awake() if not self.fleet.is_down(hb.replica_id)]
+        if not awake:
+            raise ApiError(503, f"no replica of {r.model!r} is awake; retry shortly", code="no_replica",
+                           headers={"Retry-After": "5"})  # fmt: skip
+        return awake
+
+    async def _block_hashes(self, r: Routed, body, replicas: list[Heartbeat]) -> list[bytes]:
+        revision = replicas[0].tokenizer_revision
+        tok = self.tokenizers.cached(r.model, revision) or await self.tokenizers.get(r.model, revision)
+        if tok is None:
+            r.fallbacks.append("no_tokenizer")
+            return []
+        ids = prompt_token_ids(tok, body)
+        if ids is None:
+            return []
+        r.prompt_tokens = len(ids)
+        return hash_blocks(ids, replicas[0].block_size, _salt(r.tenant, body.cache_salt))
+
+    async def _admit(self, r: Routed, replicas: list[Heartbeat], hashes: list[bytes]) -> AdmitResult | None:
+        """The one Redis round trip on the request path. None: Redis is down; route on local facts."""
+        admission = Admission(self.load.gateway_id, r.tenant, self.load.tenant_inflight[r.tenant.name], r.model,
+                              [hb.replica_id for hb in replicas], hashes)  # fmt: skip
+        reg = self.redis.registry
+        try:
+            result = await self.redis("admit", "request", lambda: reg.admit(admission))
+        except REDIS_ERRORS:
+            r.fallbacks.append("redis_unavailable")
+            local = self.load.tenant_inflight[r.tenant.name]
+            if r.tenant.max_concurrent is not None and local >= r.tenant.max_concurrent:
+                result = AdmitResult("concurrency", local)  # the local share of the limit still holds
+            else:
+                return None
+        if result.refused is not None:
+            self.metrics.rejected.labels(result.refused).inc()
+            what = {"concurrency": ("concurrent requests", r.tenant.max_concurrent, "1"),
+                    "requests": ("requests per minute", r.tenant.requests_per_minute, None),
+                    "tokens": ("tokens per minute", r.tenant.tokens_per_minute, None)}[result.refused]  # fmt: skip
+            retry = what[2] or _retry_after_minute(time.time())
+            raise ApiError(429, f"rate limit reached for tenant {r.tenant.name!r}: {what[0]} limit {what[1]}",
+                           code="rate_limit_exceeded", headers={"Retry-After": retry})  # fmt: skip
+        return result
+
+    def _decide(
+        self, r: Routed, replicas: list[Heartbeat], admitted: AdmitResult | None, n_hashes: int
+    ) -> Decision:
+        view = self.fleet.model(r.model)
+        policy = view.config.routing_policy if view and view.config else self.config.default_policy
+        block_size = replicas[0].block_size
+        max_hit = (r.prompt_tokens - 1) // block_size if r.prompt_tokens else 0
+        candidates = []
+        for i, hb in enumerate(replicas):
+            inflight, queued = self.load.local_replica_load(hb.replica_id)
+            matched = 0
+            if admitted is not None:
+                matched = min(admitted.matched_blocks[i], max_hit) * block_size
+                inflight += admitted.inflight[i]
+                queued += admitted.pending_tokens[i]
+            candidates.append(Candidate(
+                hb.replica_id, hb.base_url, matched, inflight, queued, hb.running, hb.waiting, hb.kv_usage,
+                hb.prefill_tokens_per_s, hb.decode_tokens_per_s,
+            ))  # fmt: skip
+        self._counter += 1
+        return choose(policy, candidates, r.prompt_tokens or 0, self._counter)
+
+    async def _route_and_send(self, r: Routed, body, raw: Request, span) -> Response:
+        replicas = await self._awake_replicas(r)
+        hashes = await self._block_hashes(r, body, replicas)
+        admitted = await self._admit(r, replicas, hashes)
+        r.decision = self._decide(r, replicas, admitted, len(hashes))
+        for reason in r.fallbacks:
+            self.metrics.fallbacks.labels(r.model, reason).inc()
+        chosen = r.decision.chosen
+        r.predicted_cached = chosen.matched_tokens
+        self.metrics.decisions.labels(
+            r.model, r.decision.policy, str(chosen.matched_tokens > 0).lower()
+        ).inc()
+        self.metrics.predicted_cached.labels(r.model).inc(chosen.matched_tokens)
+        span.set_attributes({
+            "kvfleet.policy": r.decision.policy, "kvfleet.replica": chosen.replica_id,
+            "kvfleet.prompt_tokens": r.prompt_tokens or 0, "kvfleet.predicted_cached_tokens": chosen.matched_tokens,
+            "kvfleet.candidates": json.dumps(r.decision.explain(), separators=(",", ":")),
+            "kvfleet.fallbacks": ",".join(r.fallbacks),
+        })  # fmt: skip
+        payload = self._upstream_payload(body, r.tenant)
+        ticket = self.load.start(
+            chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)
+        )
+        try:
+            upstream = await self._send(r, payload, raw, span)
+        except BaseException:
+            self.load.release(ticket, None)
+            raise
+        headers = self._response_headers(r, raw, upstream)
+        if body.stream and upstream.status_code == 200:
+            return StreamingResponse(
+                self._relay_stream(r, upstream, ticket, client_wants_usage=body.include_usage, span=span),
+                status_code=200, media_type="text/event-stream", headers=headers,
+            )  # fmt: skip
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            self.load.release(ticket, None)
+            self.metrics.upstream_errors.labels(r.model, "midstream").inc()
+            raise ApiError(
+                503, f"the replica failed while answering: {type(e).__name__}", code="upstream_failed"
+            ) from None
+        finally:
+            await upstream.aclose()
+        r.status = upstream.status_code
+        if upstream.status_code == 200:
+            try:
+                r.usage = json.loads(content).get("usage")
+            except ValueError:
+                r.usage = None
+        self.load.release(ticket, self._usage_record(r))
+        self._finish(r)
+        return Response(content, status_code=upstream.status_code, headers=headers,
+                        media_type=upstream.headers.get("content-type", "application/json"))  # fmt: skip
+
+    def _upstream_payload(self, body, tenant: TenantRecord) -> bytes:
+        data = body.model_dump(mode="json", exclude_unset=True)
+        data["priority"] = -tenant.priority + max(0, body.priority)
+        salt = _salt(tenant, body.cache_salt)
+        if salt:
+            data["cache_salt"] = salt
+        else:
+            data.pop("cache_salt", None)
+        if body.stream:
+            opts = dict(data.get("stream_options") or {})
+            opts["include_usage"] = True
+            data["stream_options"] = opts
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+    # ---- upstream ------------------------------------------------------------------------------------
+
+    async def _send(self, r: Routed, payload: bytes, raw: Request, span) -> httpx.Response:
+        """Send to the best candidate; on a connection failure or a 5xx, try the next (before any byte)."""
+        assert r.decision is not None
+        headers = {"content-type": "application/json", "x-request-id": r.request_id}
+        inject_headers(headers)
+        last_error = "no candidate"
+        self.metrics.overhead.labels(r.model).observe(time.perf_counter() - r.started)
+        for cand in r.decision.ranked[:MAX_ATTEMPTS]:
+            if r.attempts and self.fleet.is_down(cand.replica_id):
+                continue
+            r.attempts += 1
+            r.replica = cand
+            url = f"{cand.base_url.rstrip('/')}{'/v1/chat/completions' if r.endpoint == 'chat' else '/v1/completions'}"
+            req = self.client.build_request("POST", url, content=payload, headers=headers)
+            try:
+                resp = await self.client.send(req, stream=True)
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+            ) as e:
+                self.fleet.mark_down(cand.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+                self.metrics.upstream_errors.labels(r.model, "connect").inc()
+                self.metrics.fallbacks.labels(r.model, "retry_connect").inc()
+                last_error = f"{cand.replica_id}: {type(e).__name__}"
+                logger.warning("replica %s unreachable (%s); trying the next candidate", cand.replica_id, e)
+                continue
+            if resp.status_code >= 500 and r.attempts < MAX_ATTEMPTS and cand is not r.decision.ranked[-1]:
+                await resp.aclose()
+                self.metrics.upstream_errors.labels(r.model, "status").inc()
+                self.metrics.fallbacks.labels(r.model, "retry_status").inc()
+                last_error = f"{cand.replica_id}: HTTP {resp.status_code}"
+                continue
+            r.first_byte_at = time.perf_counter() - r.started  # time to the upstream's response head
+            span.set_attributes({"kvfleet.replica": cand.replica_id, "kvfleet.attempts": r.attempts})
+            return resp
+        raise ApiError(503, f"no replica of {r.model!r} could take the request ({last_error}); retry shortly",
+                       code="upstream_unavailable", headers={"Retry-After": "2"})  # fmt: skip
+
+    async def _relay_stream(
+        self, r: Routed, upstream: httpx.Response, ticket: Ticket, client_wants_usage: bool, span
+    ) -> AsyncIterator[bytes]:
+        """Pass SSE events through as they complete; meter usage; always end the stream properly."""
+        buf = b""
+        first = True
+        r.status = 200
+        try:
+            async for chunk in upstream.aiter_raw():
+                buf += chunk
+                if b"\n\n" not in buf:
+                    continue
+                *events, buf = buf.split(b"\n\n")
+                out = []
+                for ev in events:
+                    if b'"usage":{' in ev and ev.startswith(b"data: {"):
+                        usage = _usage_of(ev)
+                        if usage is not None:
+                            r.usage = usage
+                            if not client_wants_usage:
+                                continue
+                    out.append(ev + b"\n\n")
+                if first and out:
+                    first = False
+                    self.load.prefilled(ticket)
+                    self.metrics.ttft.labels(r.model).observe(time.perf_counter() - r.started)
+                if out:
+                    yield b"".join(out)
+            if buf.strip():
+                yield buf
+        except (httpx.HTTPError, asyncio.IncompleteReadError) as e:
+            r.status = 503
+            self.metrics.upstream_errors.labels(r.model, "midstream").inc()
+            logger.warning("replica %s failed mid-stream (%s)", r.replica.replica_id if r.replica else "?", e)
+            if r.replica is not None:
+                self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+            err = error_body(
+                503, f"the replica serving this stream failed: {type(e).__name__}", code="upstream_failed"
+            )
+            yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+        except asyncio.CancelledError:
+            r.status = 499  # the client went away; closing the upstream aborts the engine's request
+            raise
+        finally:
+            await upstream.aclose()
+            self.load.release(ticket, self._usage_record(r))
+            span.set_attribute("http.response.status_code", r.status)
+            self._finish(r)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+
+    def _response_headers(self, r: Routed, raw: Request, upstream: httpx.Response) -> dict[str, str]:
+        headers = {"x-request-id": r.request_id}
+        if r.replica is not None:
+            headers["x-kvfleet-replica"] = r.replica.replica_id
+        if raw.headers.get("x-kvfleet-debug", "").lower() in ("1", "true", "yes") and r.decision is not None:
+            headers["x-kvfleet-route"] = json.dumps(
+                {"policy": r.decision.policy, "prompt_tokens": r.prompt_tokens, "attempts": r.attempts,
+                 "fallbacks": r.fallbacks, "candidates": r.decision.explain()},
+                separators=(",", ":"),
+            )  # fmt: skip
+        for k in ("retry-after",):
+            if k in upstream.headers:
+                headers[k] = upstream.headers[k]
+        return headers
+
+    def _usage_record(self, r: Routed) -> UsageRecord | None:
+        u = r.usage
+        if not u:
+            return None
+        cached = int(((u.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+        m = self.metrics
+        m.tenant_tokens.labels(r.tenant.name, r.model, "prompt").inc(prompt)
+        m.tenant_tokens.labels(r.tenant.name, r.model, "completion").inc(completion)
+        m.tenant_tokens.labels(r.tenant.name, r.model, "cached").inc(cached)
+        m.actual_cached.labels(r.model).inc(cached)
+        if r.prompt_tokens is not None and prompt == r.prompt_tokens:  # one prompt, one sequence: comparable
+            m.prediction_error.labels(r.model).observe(abs(r.predicted_cached - cached))
+        return UsageRecord(r.tenant.name, r.model, prompt, completion, cached)
+
+    def _finish(self, r: Routed) -> None:
+        duration = time.perf_counter() - r.started
+        self.metrics.requests.labels(r.model, r.tenant.name, r.endpoint, str(r.status)).inc()
+        self.metrics.duration.labels(r.model, r.endpoint).observe(duration)
+        u = r.usage or {}
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        logger.info(
+            "%s tenant=%s model=%s %s status=%d replica=%s policy=%s prompt=%s cached(pred/actual)=%d/%s "
+            "completion=%s attempts=%d %.1fms%s",
+            r.request_id, r.tenant.name, r.model, r.endpoint, r.status,
+            r.replica.replica_id if r.replica else "-", r.decision.policy if r.decision else "-",
+            u.get("prompt_tokens", r.prompt_tokens), r.predicted_cached, cached, u.get("completion_tokens"),
+            r.attempts, duration * 1000, f" fallbacks={','.join(r.fallbacks)}" if r.fallbacks else "",
+        )  # fmt: skip
+
+
+def _usage_of(event: bytes) -> dict | None:
+    try:
+        data = json.loads(event[len(b"data: ") :])
+    except ValueError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def error_response(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code=code), status_code=status)

@@ -1,0 +1,125 @@
+"""Routing policy: pure functions from what the gateway knows about each candidate replica to a choice.
+
+No I/O here. The gateway gathers the facts (heartbeats, one Redis round trip for prefix matches and the
+other gateways' load, its own in-flight counts) into ``Candidate`` objects and calls ``choose``.
+
+``prefix-aware`` (the default) picks the lowest expected time to first token::
+
+    ttft(r) = (queued_prompt_tokens(r) + uncached_prompt_tokens(r)) / prefill_rate(r)   # prefill work ahead + ours
+            + inflight(r) / decode_rate(r)                                          # ~ one step of the current batch
+
+- ``uncached_prompt_tokens`` comes from the request's block hashes and the replica's KV index: the
+  prediction is exact (same tokenizer, template, hashing and salt as the engine), up to the index's lag.
+- ``queued_prompt_tokens`` are prompt tokens the gateways routed to ``r`` that have not produced a first
+  token yet. The gateways know them the moment they route (heartbeats are ~1 s old), so a burst of
+  requests sharing a hot prefix raises its replica's score at once and the prefix spreads to a second
+  replica as soon as waiting there would cost more than recomputing the prefix elsewhere.
+- ``inflight / decode_rate`` is the current step time of a decode batch of that size (the engine's
+  decode rate is requests-tokens per second over the whole batch), so a replica busy decoding long
+  answers looks slower even when its prefill queue is empty.
+- Rates come from the engine's measured EMAs; a replica with no measurement yet borrows the mean of its
+  peers (or ``DEFAULT_PREFILL_TOKENS_PER_S``), so a fresh replica is neither free nor forbidden.
+- A replica whose KV cache is nearly full is penalised: new work there will preempt running requests.
+
+``least-load`` picks the fewest requests in flight (gateway counts, fresh) then the fewest the engine
+reports running + waiting; ``round-robin`` rotates through the candidates (per gateway).
+Ties go to the candidate listed first after a per-request rotation, so equal replicas share work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+DEFAULT_DECODE_TOKENS_PER_S = 50.0
+KV_PRESSURE_THRESHOLD = 0.95  # above this KV usage, admitting more work means preempting someone
+KV_PRESSURE_PENALTY_S = 1.0
+
+POLICIES = ("prefix-aware", "least-load", "round-robin")
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One awake replica of the model, with everything the policies look at."""
+
+    replica_id: str
+    base_url: str
+    matched_tokens: int = 0  # leading prompt tokens the replica caches (blocks x block size)
+    inflight: int = 0  # requests in flight to it from every gateway
+    queued_tokens: int = 0  # prompt tokens routed to it (every gateway) still waiting for a first token
+    running: int = 0  # engine-reported, ~1 s old
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen replica, the order to try the others in (retries before the first byte), and why."""
+
+    policy: str
+    ranked: list[Candidate]  # best first; ranked[0] is the choice
+    scores: dict[str, float] = field(default_factory=dict)  # replica id -> score (lower is better)
+    prompt_tokens: int = 0
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.ranked[0]
+
+    def explain(self) -> list[dict]:
+        """Per candidate, in rank order: what the choice was based on (debug header, span attributes)."""
+        return [
+            {"replica": c.replica_id, "score": round(self.scores.get(c.replica_id, 0.0), 6),
+             "matched_tokens": c.matched_tokens, "inflight": c.inflight, "queued_tokens": c.queued_tokens,
+             "running": c.running, "waiting": c.waiting}
+            for c in self.ranked
+        ]  # fmt: skip
+
+
+def expected_ttft(c: Candidate, prompt_tokens: int, prefill_rate: float, decode_rate: float) -> float:
+    """Seconds until ``c`` would produce this request's first token (see the module docstring)."""
+    uncached = max(0, prompt_tokens - c.matched_tokens)
+    seconds = (c.queued_tokens + uncached) / prefill_rate + c.inflight / decode_rate
+    if c.kv_usage >= KV_PRESSURE_THRESHOLD:
+        seconds += KV_PRESSURE_PENALTY_S
+    return seconds
+
+
+def _fallback_rate(values: Sequence[float], default: float) -> float:
+    known = [v for v in values if v > 0]
+    return sum(known) / len(known) if known else default
+
+
+def _rotated(candidates: Sequence[Candidate], start: int) -> list[Candidate]:
+    n = len(candidates)
+    return [candidates[(start + i) % n] for i in range(n)]
+
+
+def choose(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, counter: int) -> Decision:
+    """Rank ``candidates`` (non-empty) for a request of ``prompt_tokens`` under ``policy``.
+
+    ``counter`` is a per-gateway request counter: round-robin's position, and the rotation that breaks
+    ties in the other policies (so identical replicas take turns instead of the first one taking all).
+    """
+    if not candidates:
+        raise ValueError("no candidates to choose from")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    order = _rotated(sorted(candidates, key=lambda c: c.replica_id), counter)
+    if policy == "round-robin":
+        return Decision(policy, order, {c.replica_id: float(i) for i, c in enumerate(order)}, prompt_tokens)
+    if policy == "least-load":
+        scores = {c.replica_id: c.inflight + (c.running + c.waiting) / 1000.0 for c in order}
+    else:
+        prefill = _fallback_rate([c.prefill_tokens_per_s for c in order], DEFAULT_PREFILL_TOKENS_PER_S)
+        decode = _fallback_rate([c.decode_tokens_per_s for c in order], DEFAULT_DECODE_TOKENS_PER_S)
+        scores = {
+            c.replica_id: expected_ttft(
+                c, prompt_tokens, c.prefill_tokens_per_s or prefill, c.decode_tokens_per_s or decode
+            )
+            for c in order
+        }
+    ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: ties keep the rotation
+    return Decision(policy, ranked, scores, prompt_tokens)

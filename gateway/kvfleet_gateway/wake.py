@@ -1,0 +1,115 @@
+"""Wake-on-request: a request for a model whose replicas all sleep wakes them, once for the whole fleet.
+
+Within a gateway, concurrent requests share one wake task per model; across gateways the Redis wake
+lock (``SET NX PX``) lets one gateway send the engines' ``/wake_up`` while the others wait for the
+heartbeats to say ``awake``. Every waiter gives up after ``timeout`` seconds with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+import httpx
+
+from kvfleet_common.http import ApiError
+from kvfleet_common.schemas import Heartbeat
+from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls
+from kvfleet_gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+
+async def call_replica(
+    client: httpx.AsyncClient, hb: Heartbeat, action: str, admin_token: str | None, level: int = 1
+) -> tuple[bool, str]:
+    """POST the engine admin endpoint ``/sleep`` or ``/wake_up``; (ok, detail)."""
+    path = "/sleep" if action == "sleep" else "/wake_up"
+    params = {"level": level} if action == "sleep" else None
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    try:
+        resp = await client.post(
+            f"{hb.base_url.rstrip('/')}{path}", params=params, headers=headers, timeout=300
+        )
+    except httpx.HTTPError as e:
+        return False, f"{type(e).__name__}: {e}"
+    if resp.status_code != 200:
+        return False, f"HTTP {resp.status_code}: {resp.text[:200]}"
+    return True, "ok"
+
+
+class Waker:
+    def __init__(
+        self, fleet: FleetView, redis_calls: RedisCalls, client: httpx.AsyncClient, metrics: GatewayMetrics,
+        admin_token: str | None, holder: str, timeout: float,
+    ) -> None:  # fmt: skip
+        self.fleet = fleet
+        self.redis = redis_calls
+        self.client = client
+        self.metrics = metrics
+        self.admin_token = admin_token
+        self.holder = holder
+        self.timeout = timeout
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def ensure_awake(self, model: str) -> None:
+        task = self._tasks.get(model)
+        if task is None or task.done():
+            task = asyncio.create_task(self._wake(model))
+            self._tasks[model] = task
+        await asyncio.shield(task)
+
+    async def wake_replicas(self, model: str, replicas: list[Heartbeat]) -> dict[str, str]:
+        """Wake ``replicas`` now (admin path and wake-on-request): replica id -> "ok" or the error."""
+        results = await asyncio.gather(
+            *(call_replica(self.client, hb, "wake", self.admin_token) for hb in replicas)
+        )
+        out = {}
+        for hb, (ok, detail) in zip(replicas, results):
+            out[hb.replica_id] = detail
+            if ok:
+                self.fleet.mark_awake(model, hb.replica_id)
+        return out
+
+    async def _wake(self, model: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        token = f"{self.holder}:{uuid.uuid4().hex[:8]}"
+        reg = self.redis.registry
+        logger.info("model %s is asleep: waking it for a waiting request", model)
+        while True:
+            view = self.fleet.model(model)
+            if view is not None and view.awake():
+                self.metrics.wakes.labels(model, "woke").inc()
+                return
+            if view is None or not view.replicas:
+                self.metrics.wakes.labels(model, "failed").inc()
+                raise ApiError(503, f"no replica of {model!r} is available", code="no_replica",
+                               headers={"Retry-After": "5"})  # fmt: skip
+            if time.monotonic() >= deadline:
+                self.metrics.wakes.labels(model, "failed").inc()
+                self.metrics.rejected.labels("wake_timeout").inc()
+                raise ApiError(503, f"the model {model!r} is waking up and did not become ready within "
+                               f"{self.timeout:.0f} s; retry later", code="model_waking",
+                               headers={"Retry-After": "10"})  # fmt: skip
+            try:
+                got = await self.redis(
+                    "acquire_wake_lock", "request", lambda: reg.acquire_wake_lock(model, token)
+                )
+            except REDIS_ERRORS:
+                got = True  # without Redis, de-duplication across gateways is lost; waking still works
+            if got:
+                if not self.admin_token:
+                    raise ApiError(503, f"the model {model!r} is asleep and this gateway has no admin token "
+                                   "to wake it", code="model_sleeping", headers={"Retry-After": "30"})  # fmt: skip
+                try:
+                    results = await self.wake_replicas(model, view.sleeping())
+                    logger.info("woke %s: %s", model, results)
+                finally:
+                    with contextlib.suppress(REDIS_ERRORS):
+                        await self.redis(
+                            "release_wake_lock", "request", lambda: reg.release_wake_lock(model, token)
+                        )
+            await self.fleet.wait_changed(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
