@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache size in blocks (default: from memory; 4096 with --simulate)")  # fmt: skip
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--seed", type=int, default=0)
@@ -27,6 +28,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    sim = p.add_argument_group(
+        "simulation",
+        "--simulate: the real engine with a timing model instead of the model (no weights loaded)",
+    )
+    sim.add_argument("--simulate", action="store_true",
+                     help="replace the forward pass by a timing model emitting deterministic tokens")  # fmt: skip
+    sim.add_argument("--sim-prefill-ms-per-1k-tokens", type=float, default=50.0,
+                     help="cost of 1,000 uncached prompt tokens (default 50: 20k tokens/s)")  # fmt: skip
+    sim.add_argument("--sim-decode-ms-per-step", type=float, default=15.0,
+                     help="cost of a step in which any sequence decodes (default 15)")  # fmt: skip
+    sim.add_argument("--sim-decode-ms-per-seq", type=float, default=0.1,
+                     help="extra cost per decoding sequence in a step (default 0.1)")  # fmt: skip
+    sim.add_argument("--sim-step-overhead-ms", type=float, default=1.0,
+                     help="fixed cost of every step that computes something (default 1)")  # fmt: skip
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -48,7 +63,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "tensor_parallel_size",
         "pipeline_parallel_size",
     ]
-    return {k: getattr(args, k) for k in keys}
+    kwargs = {k: getattr(args, k) for k in keys}
+    if getattr(args, "simulate", False):
+        from kvfleet_engine.executor.simulated import SimulationCost
+
+        kwargs["simulation"] = SimulationCost(
+            prefill_ms_per_1k_tokens=args.sim_prefill_ms_per_1k_tokens,
+            decode_ms_per_step=args.sim_decode_ms_per_step,
+            decode_ms_per_seq=args.sim_decode_ms_per_seq,
+            step_overhead_ms=args.sim_step_overhead_ms,
+        )
+    return kwargs
 
 
 def generate_main(argv: list[str]) -> int:

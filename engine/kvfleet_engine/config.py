@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvfleet_engine.executor.simulated import SimulationCost
+
+# KV blocks of a simulated replica when num_kv_blocks is not given (there is no device memory to measure).
+DEFAULT_SIMULATED_KV_BLOCKS = 4096
 
 _DTYPES = {
     "float32": torch.float32,
@@ -160,6 +166,34 @@ def _check_parallel(mc: ModelConfig, device: str, tp: int, pp: int, backend: str
     return backend
 
 
+def _check_simulation(
+    simulation: SimulationCost | dict[str, float],
+    device: str,
+    num_kv_blocks: int | None,
+    kv_cache_memory_bytes: int | None,
+    tp: int,
+    pp: int,
+    backend: str | None,
+) -> tuple[SimulationCost, str, int]:
+    """A simulated replica is one process on the CPU with a given number of KV blocks."""
+    from kvfleet_engine.executor.simulated import SimulationCost
+
+    if isinstance(simulation, dict):
+        try:
+            simulation = SimulationCost(**simulation)
+        except TypeError as e:
+            raise ValueError(f"bad simulation costs: {e}") from None
+    if not isinstance(simulation, SimulationCost):
+        raise ValueError(f"simulation must be a SimulationCost or a dict of its fields, got {simulation!r}")
+    if device not in ("auto", "cpu"):
+        raise ValueError(f"a simulated replica runs on the CPU (device='cpu'), got device={device!r}")
+    if tp != 1 or pp != 1 or backend not in (None, "uni"):
+        raise ValueError("a simulated replica is one process: no tensor/pipeline parallelism")
+    if kv_cache_memory_bytes is not None:
+        raise ValueError("a simulated replica has no KV memory to size: give num_kv_blocks instead")
+    return simulation, "cpu", DEFAULT_SIMULATED_KV_BLOCKS if num_kv_blocks is None else num_kv_blocks
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -180,6 +214,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # "uni": the worker runs in the engine's process; "mp": one process per TP x PP rank.
     distributed_executor_backend: str = "uni"
+    # Set: a simulated replica (executor/simulated.py): real scheduler and KV cache, no model, a timing model.
+    simulation: SimulationCost | None = None
 
     @classmethod
     def create(
@@ -201,8 +237,24 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        simulation: SimulationCost | dict[str, float] | None = None,
     ) -> EngineConfig:
+        """Check the arguments against the model directory; raises ValueError with a message fit for a user.
+
+        ``simulation`` (a ``SimulationCost`` or its fields as a dict) makes a simulated replica: the
+        model directory still gives the tokenizer, vocabulary and chat template, but no weights are
+        loaded. It runs on "cpu" in one process, takes ``num_kv_blocks`` (default
+        ``DEFAULT_SIMULATED_KV_BLOCKS``) instead of measuring memory, has a GPU replica's default
+        ``max_num_batched_tokens`` (8192), and may use a ``max_model_len`` beyond the model's position
+        limit, since no positions are ever computed.
+        """
         mc = ModelConfig.from_dir(model)
+        if simulation is not None:
+            simulation, device, num_kv_blocks = _check_simulation(
+                simulation, device, num_kv_blocks, kv_cache_memory_bytes,
+                tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
+            )  # fmt: skip
+            attention_backend = "torch"
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -216,7 +268,7 @@ class EngineConfig:
             limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside the window
         if max_model_len is None:
             max_model_len = limit
-        elif max_model_len > limit:
+        elif max_model_len > limit and simulation is None:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds what the model supports ({limit}"
                 f"{', its sliding window' if mc.sliding_window is not None else ''})"
@@ -224,7 +276,8 @@ class EngineConfig:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if device == "cpu" else 8192
+            # A simulated replica models a GPU one, so it gets the GPU's budget.
+            max_num_batched_tokens = 2048 if device == "cpu" and simulation is None else 8192
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
@@ -256,6 +309,7 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
+            simulation=simulation,
         )
 
     @property

@@ -19,7 +19,12 @@ class Executor(ABC):
 
     @classmethod
     def for_config(cls, config: EngineConfig, use_tqdm: bool = True) -> Executor:
-        """In-process for one rank (unless ``distributed_executor_backend="mp"``), else one process per rank."""
+        """Simulated (no model) when ``config.simulation`` is set; else in-process for one rank (unless
+        ``distributed_executor_backend="mp"``), else one process per rank."""
+        if config.simulation is not None:
+            from kvfleet_engine.executor.simulated import SimulatedExecutor
+
+            return SimulatedExecutor(config, use_tqdm=use_tqdm)
         if config.distributed_executor_backend == "uni":
             from kvfleet_engine.executor.uniproc import UniProcExecutor
 
