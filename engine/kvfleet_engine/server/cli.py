@@ -69,7 +69,7 @@ def serve_main(argv: list[str]) -> int:
         host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         presence = PresenceOptions(
             redis_url=args.redis_url,
-            name=args.replica_name or f"{host}:{args.port}",
+            name=args.replica_name or f"{host}-{args.port}",  # ":" is not allowed in Redis names
             model=name,
             base_url=args.base_url or f"http://{host}:{args.port}",
         )
