@@ -21,7 +21,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -45,6 +45,8 @@ from kvfleet_operator.status import (
 from kvfleet_operator.validation import SpecError
 
 RETRY_DELAY = 15.0
+POD_STOP_POLL_S = 2.0
+POD_STOP_MARGIN_S = 60  # beyond the grace period, waiting for a model's pods to go
 SECRET_RETRY_DELAY = 30.0
 
 
@@ -225,9 +227,12 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         await refresh_model_status(memo, model.namespace, model.name)
 
     @kopf.on.delete(*model_resource, registry=registry)
-    async def delete_model(body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, **_: Any) -> None:
+    async def delete_model(
+        body: kopf.Body, memo: OperatorMemo, logger: logging.Logger, runtime: timedelta, **_: Any
+    ) -> None:
         meta = body["metadata"]
         names = {body.get("status", {}).get("servedName")}
+        model: ModelSpec | None = None
         try:
             model = model_spec_from(dict(body))
             names.add(model.served_name)
@@ -241,6 +246,25 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
             await kube.delete(
                 object_path(obj["apiVersion"], obj["kind"], meta["namespace"], obj["metadata"]["name"])
             )
+        if model is not None:
+            # An engine still running after the purge re-registers and re-publishes the model's tokenizer
+            # (it takes the purge for a Redis that lost its data), and tokenizer records have no TTL: purge
+            # once the pods are gone. Bounded: a pod on a lost node may never report its end.
+            pods = await kube.list(
+                object_path("v1", "Pod", meta["namespace"]), label_selector=manifests.selector_string(model)
+            )
+            wanted = manifests.selector_labels(model).items()
+            left = [
+                p["metadata"]["name"] for p in pods if wanted <= (p["metadata"].get("labels") or {}).items()
+            ]
+            patience = model.termination_grace_period_seconds + POD_STOP_MARGIN_S
+            if left and runtime.total_seconds() < patience:
+                raise kopf.TemporaryError(
+                    f"waiting for {len(left)} engine pod(s) to stop before purging Redis: {', '.join(left)}",
+                    delay=POD_STOP_POLL_S,
+                )
+            if left:
+                logger.warning("purging Redis although pods %s did not stop within %d s", left, patience)
         try:
             for name in names - {None}:
                 await _registry(memo).purge_model(name)

@@ -47,19 +47,36 @@ class PodProblem:
 
 
 def pod_problems(pods: Iterable[dict[str, Any]]) -> list[PodProblem]:
-    """Containers stuck in a broken waiting state (crash loops, image pulls, bad config)."""
+    """Containers stuck in a broken waiting state (crash loops, image pulls, bad config), and containers
+    that died and are not ready again yet: the kubelet restarts a first crash at once (no
+    CrashLoopBackOff), so without the second rule a replica lost to a crash or an OOM kill would only
+    look like a rollout in progress."""
     problems: list[PodProblem] = []
     for pod in pods:
         status = pod.get("status", {})
+        name = pod.get("metadata", {}).get("name", "?")
         for cs in [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]:
             waiting = cs.get("state", {}).get("waiting") or {}
+            terminated = (cs.get("lastState") or {}).get("terminated") or {}
             if waiting.get("reason") in BROKEN_POD_REASONS:
                 problems.append(
                     PodProblem(
-                        pod=pod.get("metadata", {}).get("name", "?"),
+                        pod=name,
                         container=cs.get("name", "?"),
                         reason=waiting["reason"],
                         message=waiting.get("message", ""),
+                    )
+                )
+            elif terminated and not cs.get("ready"):
+                oom = terminated.get("reason") == "OOMKilled"
+                problems.append(
+                    PodProblem(
+                        pod=name,
+                        container=cs.get("name", "?"),
+                        reason="OOMKilled" if oom else "ContainerRestarted",
+                        message=f"exited with code {terminated.get('exitCode', '?')} "
+                        f"({terminated.get('reason', 'unknown')}), restart {cs.get('restartCount', '?')}, "
+                        "not ready yet",
                     )
                 )
     return problems

@@ -296,6 +296,32 @@ def test_delete_removes_owned_objects_and_purges_redis(kube: KubeEmulator, regis
         assert kube.get(path) is None, path
 
 
+def test_delete_purges_redis_only_once_the_pods_are_gone(kube: KubeEmulator, registry: Registry):
+    # A replica still running after a purge would re-publish the model's tokenizer (no TTL) into Redis.
+    create_model(kube, "draining", model={"uri": "pvc://models/draining", "servedName": "draining"})
+    eventually(lambda: kube.get(child(DEPLOYMENTS, "draining")))
+    eventually(lambda: registry.get_model_config("draining"))
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "draining-5c9f-abcde",
+            "namespace": NS,
+            "labels": {"kvfleet.io/model": "draining", "app.kubernetes.io/component": "engine"},
+        },
+        "spec": {"containers": [{"name": "engine", "image": "x"}]},
+    }
+    kube.post(PODS, pod)
+    kube.delete(model_path("draining"))
+    eventually(lambda: kube.get(child(DEPLOYMENTS, "draining")) is None)  # the delete handler runs...
+    # ...but holds the finalizer while the pod stops.
+    assert kube.get(model_path("draining"))["metadata"]["deletionTimestamp"]
+    assert registry.get_model_config("draining") is not None
+    kube.delete(f"{PODS}/draining-5c9f-abcde")
+    eventually(lambda: kube.get(model_path("draining")) is None, timeout=30)
+    assert registry.get_model_config("draining") is None
+
+
 def _secret(name: str, key: str) -> dict:
     import base64
 

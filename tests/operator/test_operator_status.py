@@ -121,6 +121,30 @@ def test_broken_pods_are_named():
     assert st["phase"] == "Degraded" and "p1" in cond(st, "Degraded")["message"]
 
 
+def test_a_crashed_container_degrades_until_it_is_ready_again():
+    # The kubelet restarts a first crash at once: running again, not ready, the crash in lastState.
+    crashed = {
+        "name": "engine",
+        "ready": False,
+        "restartCount": 1,
+        "state": {"running": {"startedAt": "2026-01-01T12:00:00Z"}},
+        "lastState": {"terminated": {"exitCode": 137, "reason": "Error"}},
+    }
+    pods = [{"metadata": {"name": "p1"}, "status": {"containerStatuses": [crashed]}}]
+    (problem,) = pod_problems(pods)
+    assert (problem.pod, problem.reason) == ("p1", "ContainerRestarted") and "code 137" in problem.message
+    st = status(deployment=deployment(want=2, ready=1), pods=pods)
+    assert st["phase"] == "Degraded" and "p1" in cond(st, "Degraded")["message"]
+    oom = {**crashed, "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    assert pod_problems([{"metadata": {"name": "p1"}, "status": {"containerStatuses": [oom]}}])[0].reason == (
+        "OOMKilled"
+    )
+    # Ready again: the old crash stays in lastState but is no longer a problem.
+    recovered = [{"metadata": {"name": "p1"}, "status": {"containerStatuses": [{**crashed, "ready": True}]}}]
+    assert pod_problems(recovered) == []
+    assert status(deployment=deployment(want=2, ready=2), pods=recovered)["phase"] == "Ready"
+
+
 def test_sleeping_counts_come_from_heartbeats():
     st = status(deployment=deployment(want=2, ready=2), heartbeats=[hb("a", "sleeping"), hb("b", "sleeping")])
     assert st["phase"] == "Sleeping" and st["sleepingReplicas"] == 2 and st["awakeReplicas"] == 0
