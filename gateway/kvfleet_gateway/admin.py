@@ -41,6 +41,7 @@ def require_admin(request: Request) -> None:
 
 
 Admin = Annotated[None, Depends(require_admin)]
+Level = Annotated[int, Query(ge=1, le=2, description="1: offload weights to host memory; 2: discard them")]
 _Name = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/@+=-]*$")
 
 
@@ -258,8 +259,6 @@ def build_admin_router() -> APIRouter:
         results = await st.waker.wake_replicas(model, targets)
         ok = all(v == "ok" for v in results.values())
         return JSONResponse({"model": model, "replicas": results}, status_code=200 if ok else 502)
-
-    Level = Annotated[int, Query(ge=1, le=2)]
 
     @router.post("/models/{model:path}/replicas/{replica}/sleep")
     async def sleep_replica(_: Admin, model: str, replica: str, request: Request, level: Level = 1):

@@ -17,13 +17,18 @@ other gateways' load, its own in-flight counts) into ``Candidate`` objects and c
 - ``inflight / decode_rate`` is the current step time of a decode batch of that size (the engine's
   decode rate is requests-tokens per second over the whole batch), so a replica busy decoding long
   answers looks slower even when its prefill queue is empty.
-- Rates come from the engine's measured EMAs; a replica with no measurement yet borrows the mean of its
-  peers (or ``DEFAULT_PREFILL_TOKENS_PER_S``), so a fresh replica is neither free nor forbidden.
+- Rates come from the engines' measured EMAs, pooled over the model's replicas (their mean). Replicas
+  of one model run the same engine on the same hardware, so per-replica differences are mostly the
+  mix of work each happened to measure (a replica that only saw short prompts measures a lower
+  tokens/s, dominated by per-step overhead); letting them steer traffic made an idle fleet send every
+  request to whichever replica had measured best. A model with no measurement yet uses
+  ``DEFAULT_PREFILL_TOKENS_PER_S``.
 - A replica whose KV cache is nearly full is penalised: new work there will preempt running requests.
 
 ``least-load`` picks the fewest requests in flight (gateway counts, fresh) then the fewest the engine
 reports running + waiting; ``round-robin`` rotates through the candidates (per gateway).
-Ties go to the candidate listed first after a per-request rotation, so equal replicas share work.
+Scores within ``TIE_TOLERANCE_S`` / ``TIE_FRACTION`` of the best are ties, broken by fewer requests in
+flight and then by a per-request rotation, so equal replicas share work.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 DEFAULT_DECODE_TOKENS_PER_S = 50.0
 KV_PRESSURE_THRESHOLD = 0.95  # above this KV usage, admitting more work means preempting someone
 KV_PRESSURE_PENALTY_S = 1.0
+# Predictions closer than this are a tie: measured rates are noisy EMAs, and without a tolerance a
+# replica that happened to measure 2 % faster would take every small request of an idle fleet.
+TIE_TOLERANCE_S = 0.005
+TIE_FRACTION = 0.05
 
 POLICIES = ("prefix-aware", "least-load", "round-robin")
 
@@ -115,11 +124,14 @@ def choose(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, cou
     else:
         prefill = _fallback_rate([c.prefill_tokens_per_s for c in order], DEFAULT_PREFILL_TOKENS_PER_S)
         decode = _fallback_rate([c.decode_tokens_per_s for c in order], DEFAULT_DECODE_TOKENS_PER_S)
-        scores = {
-            c.replica_id: expected_ttft(
-                c, prompt_tokens, c.prefill_tokens_per_s or prefill, c.decode_tokens_per_s or decode
-            )
-            for c in order
-        }
-    ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: ties keep the rotation
+        scores = {c.replica_id: expected_ttft(c, prompt_tokens, prefill, decode) for c in order}
+    ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: equal scores keep the rotation
+    if policy == "prefix-aware":
+        best = scores[ranked[0].replica_id]
+        limit = best + max(TIE_TOLERANCE_S, TIE_FRACTION * best)
+        tied = [c for c in ranked if scores[c.replica_id] <= limit]
+        if len(tied) > 1:
+            position = {c.replica_id: i for i, c in enumerate(order)}
+            tied.sort(key=lambda c: (c.inflight, position[c.replica_id]))
+            ranked = tied + ranked[len(tied) :]
     return Decision(policy, ranked, scores, prompt_tokens)

@@ -114,8 +114,8 @@ def cmdline(pid: int) -> str:
 
 @contextlib.contextmanager
 def run_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny", env: dict | None = None,
-               startup_timeout: float = 120):  # fmt: skip
-    port = free_port()
+               startup_timeout: float = 120, port: int | None = None):  # fmt: skip
+    port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [
         sys.executable, "-m", "kvfleet_common.cli", "engine", "serve", "--model", str(model_dir),

@@ -1,0 +1,312 @@
+"""The gateway with real Redis, two real tiny engine replicas and the official openai SDK."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_harness import MODEL, wait_until
+
+from kvfleet_common.hashing import hash_blocks
+from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet_gateway.tokenization import load_tokenizer_files, prompt_token_ids
+
+SYSTEM = ("You are kvfleet's test assistant. Answer briefly, precisely and politely; never invent facts; "
+          "prefer short sentences; cite nothing. ") * 3  # fmt: skip
+
+
+def sdk(fleet, key: str, gateway=None) -> openai.OpenAI:
+    g = gateway or fleet.gateway
+    return openai.OpenAI(base_url=f"{g.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def chat_raw(fleet, key: str, messages, gateway=None, **kw) -> httpx.Response:
+    g = gateway or fleet.gateway
+    return httpx.post(f"{g.url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": "1"},
+                      json={"model": MODEL, "messages": messages, "max_tokens": 4, **kw})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def key(fleet):
+    return fleet.gateway.create_tenant("acme")
+
+
+# ---- auth, models, errors --------------------------------------------------------------------------
+
+
+def test_auth_errors_are_openai_shaped(fleet, key):
+    with pytest.raises(openai.AuthenticationError) as e:
+        sdk(fleet, "kvf-not-a-key").models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{fleet.gateway.url}/admin/tenants").status_code == 401
+    r = httpx.get(f"{fleet.gateway.url}/admin/tenants", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 401  # a tenant key is not an admin token
+
+
+def test_models_are_filtered_by_the_tenants_globs(fleet, key):
+    assert [m.id for m in sdk(fleet, key).models.list().data] == [MODEL]
+    other = fleet.gateway.create_tenant("only-llama", models=["llama-*"])
+    assert sdk(fleet, other).models.list().data == []
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        sdk(fleet, other).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_allowed"
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk(fleet, key).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(),
+         400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}).encode(), 400, "n"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}).encode(), 400,
+         "maximum context length"),  # the engine's own 400 passes through
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (33 << 20)}]}).encode(), 413,
+         "exceeds"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_clear_errors(fleet, key, body, status, fragment):
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {key}", "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+# ---- generation through the gateway ----------------------------------------------------------------
+
+
+def test_chat_and_completions_through_the_sdk(fleet, key):
+    c = sdk(fleet, key)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, n=2, seed=7)
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+
+
+def test_streaming_passes_through_and_usage_is_only_there_when_asked(fleet, key):
+    c = sdk(fleet, key)
+    msgs = [{"role": "user", "content": "stream please"}]
+    plain = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True, seed=1))
+    assert all(ch.usage is None for ch in plain)
+    assert sum(1 for ch in plain if ch.choices and ch.choices[0].delta.content) >= 1
+    with_usage = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True, seed=1,
+                                                stream_options={"include_usage": True}))  # fmt: skip
+    assert with_usage[-1].usage.completion_tokens == 6 and with_usage[-1].choices == []
+    text = lambda chunks: "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)  # noqa: E731
+    assert text(plain) == text(with_usage)
+    # usage was metered either way
+    usage = fleet.gateway.admin("GET", "/admin/usage", params={"tenant": "acme"}).json()["data"]["acme"]
+    assert usage["total"]["completion_tokens"] >= 12
+
+
+def test_shared_prefix_sticks_to_one_replica_and_the_prediction_is_exact(fleet, key):
+    """Same system prompt -> same replica, and the gateway's predicted cached tokens equal the engine's."""
+    replicas, predictions = set(), []
+    for i in range(4):
+        r = chat_raw(fleet, key, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}])
+        assert r.status_code == 200, r.text
+        route = json.loads(r.headers["x-kvfleet-route"])
+        assert route["policy"] == "prefix-aware" and len(route["candidates"]) == 2
+        replicas.add(r.headers["x-kvfleet-replica"])
+        predicted = route["candidates"][0]["matched_tokens"]
+        predictions.append((predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        time.sleep(0.3)  # let the replica's KV events reach Redis
+    assert len(replicas) == 1
+    assert predictions[0] == (0, 0)
+    assert all(p == actual and p > 0 for p, actual in predictions[1:]), predictions
+    # prompts with nothing in common (not even a chat template's first block) spread over both replicas
+    spread, routes = set(), []
+    for word in ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]:
+        r = httpx.post(f"{fleet.gateway.url}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": "1"},
+                       json={"model": MODEL, "prompt": f"{word} " * 12, "max_tokens": 1})  # fmt: skip
+        spread.add(r.headers["x-kvfleet-replica"])
+        routes.append(r.headers["x-kvfleet-route"])
+    assert len(spread) == 2, routes
+    m = fleet.gateway.metrics()
+    assert any(k.startswith("kvfleet_gateway_routing_decisions_total") and 'prefix_hit="true"' in k for k in m)
+
+
+def test_gateway_token_ids_and_block_hashes_equal_the_engines(fleet, key):
+    reg = fleet.registry()
+    [hb, *_] = reg.live_replicas(MODEL)
+    tok = load_tokenizer_files(reg.fetch_tokenizer(MODEL, hb.tokenizer_revision))
+    engine = fleet.engines[0]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Ünïcode, emoji 🚀 and\ttabs"}]
+    chat = ChatCompletionRequest(model=MODEL, messages=messages)
+    engine_ids = httpx.post(f"{engine.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert prompt_token_ids(tok, chat) == engine_ids
+    text = "The quick brown fox — jumps over the lazy dog. " * 4
+    completion = CompletionRequest(model=MODEL, prompt=text)
+    assert prompt_token_ids(tok, completion) == httpx.post(f"{engine.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    # the hashes the gateway computes (with the tenant's salt) are exactly the blocks the engine stored
+    salt = reg.tenant_for_key_hash(__import__("hashlib").sha256(key.encode()).hexdigest()).cache_salt
+    assert salt  # tenants get their own cache by default
+    r = chat_raw(fleet, key, messages, max_tokens=1)
+    replica = r.headers["x-kvfleet-replica"]
+    hashes = hash_blocks(engine_ids, hb.block_size, salt)
+    assert len(hashes) >= 4
+    wait_until(lambda: reg.prefix_match(MODEL, hashes, [replica])[replica] == len(hashes), 10, 0.1,
+               "the replica's KV events")  # fmt: skip
+    unsalted = hash_blocks(engine_ids, hb.block_size, "")
+    assert reg.prefix_match(MODEL, unsalted, [replica])[replica] == 0  # another tenant could not match it
+
+
+# ---- quotas ----------------------------------------------------------------------------------------
+
+
+def test_requests_per_minute_limit(fleet):
+    k = fleet.gateway.create_tenant("rpm2", requests_per_minute=2)
+    c = sdk(fleet, k)
+    for _ in range(2):
+        c.completions.create(model=MODEL, prompt="a", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=MODEL, prompt="a", max_tokens=1)
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+
+
+def test_tokens_per_minute_are_charged_from_real_usage(fleet):
+    k = fleet.gateway.create_tenant("tpm", tokens_per_minute=20)
+    c = sdk(fleet, k)
+    c.completions.create(model=MODEL, prompt="one two three four five", max_tokens=16, extra_body={"ignore_eos": True})
+
+    def refused():
+        try:
+            c.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        except openai.RateLimitError as e:
+            return e
+        return None
+
+    err = wait_until(refused, 10, 0.2, "the token limit to apply")  # usage is reported within ~50 ms
+    assert "tokens per minute" in err.body["message"]
+
+
+def test_max_concurrent_requests(fleet):
+    k = fleet.gateway.create_tenant("one-at-a-time", max_concurrent=1)
+    c = sdk(fleet, k)
+    stream = c.completions.create(model=MODEL, prompt="long", max_tokens=400, stream=True,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))  # in flight now
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=MODEL, prompt="b", max_tokens=1)
+    assert "concurrent" in e.value.body["message"]
+    stream.close()
+    wait_until(lambda: _ok(lambda: c.completions.create(model=MODEL, prompt="b", max_tokens=1)), 10, 0.1,
+               "the slot to free")  # fmt: skip
+
+
+def _ok(fn) -> bool:
+    try:
+        fn()
+        return True
+    except openai.RateLimitError:
+        return False
+
+
+# ---- disconnects -----------------------------------------------------------------------------------
+
+
+def test_client_disconnect_aborts_the_engine_request(fleet, key):
+    with httpx.stream("POST", f"{fleet.gateway.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "prompt": "go", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+        replica = r.headers["x-kvfleet-replica"]
+        next(r.iter_bytes())
+    engine = fleet.engine_for(replica)
+    wait_until(lambda: engine.metric("kvfleet_engine_num_requests_running") == 0, 20, 0.1, "the abort")
+    blocks = engine.metric("kvfleet_engine_kv_cache_blocks")
+    wait_until(lambda: engine.metric("kvfleet_engine_kv_cache_free_blocks") == blocks - 1, 20, 0.1,  # - the null block
+               "blocks freed")
+    finished = fleet.gateway.metric("kvfleet_gateway_requests_total", status="499")
+    assert finished >= 1
+
+
+# ---- admin -----------------------------------------------------------------------------------------
+
+
+def test_tenant_admin_lifecycle(fleet):
+    g = fleet.gateway
+    k1 = g.create_tenant("lifecycle", models=["tiny"], priority=3)
+    assert g.admin("POST", "/admin/tenants", json={"name": "lifecycle"}).status_code == 409
+    assert g.admin("POST", "/admin/tenants", json={"name": "bad name!"}).status_code == 400
+    assert g.admin("POST", "/admin/tenants", json={"name": "x", "requests_per_minute": 0}).status_code == 400
+    t = g.admin("GET", "/admin/tenants/lifecycle").json()
+    assert t["models"] == ["tiny"] and t["priority"] == 3 and t["cache_isolated"] and len(t["key_ids"]) == 1
+    assert "cache_salt" not in t and k1 not in json.dumps(t)
+    r = g.admin("PATCH", "/admin/tenants/lifecycle", json={"requests_per_minute": 100, "priority": None})
+    assert r.status_code == 200 and r.json()["requests_per_minute"] == 100 and r.json()["priority"] == 0
+    k2 = g.admin("POST", "/admin/tenants/lifecycle/keys").json()
+    sdk(fleet, k1).models.list()
+    sdk(fleet, k2["api_key"]).models.list()
+    assert g.admin("DELETE", f"/admin/tenants/lifecycle/keys/{k2['key_id']}").status_code == 200
+    assert g.admin("DELETE", "/admin/tenants/lifecycle/keys/nope").status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        sdk(fleet, k2["api_key"]).models.list()  # revoked on this gateway at once
+    assert "lifecycle" in [t["name"] for t in g.admin("GET", "/admin/tenants").json()]
+    assert g.admin("DELETE", "/admin/tenants/lifecycle").status_code == 200
+    assert g.admin("GET", "/admin/tenants/lifecycle").status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        sdk(fleet, k1).models.list()
+
+
+def test_admin_models_lists_replicas_with_their_load(fleet):
+    data = fleet.gateway.admin("GET", "/admin/models").json()["data"]
+    [m] = [m for m in data if m["name"] == MODEL]
+    assert len(m["replicas"]) == 2 and m["routing_policy"] == "prefix-aware"
+    for rep in m["replicas"]:
+        assert rep["url"].startswith("http://127.0.0.1:") and rep["state"] == "awake"
+        assert set(rep["load"]) >= {"running", "waiting", "kv_usage", "gateway_inflight"}
+
+
+def test_sleep_through_the_admin_api_and_wake_on_request(fleet, key):
+    g = fleet.gateway
+    r = g.admin("POST", f"/admin/models/{MODEL}/sleep", params={"level": 1})
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 2, r.text
+    reg = fleet.registry()
+    wait_until(lambda: all(hb.state == "sleeping" for hb in reg.live_replicas(MODEL)), 20, 0.1, "sleep")
+    wait_until(lambda: g.metric("kvfleet_gateway_replicas", model=MODEL, state="sleeping") == 2, 10, 0.1,
+               "the gateway to see it")  # fmt: skip
+    results: list = []
+
+    def ask():
+        results.append(sdk(fleet, key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "wake up"}], max_tokens=3))  # fmt: skip
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 3 and all(r.usage.completion_tokens == 3 for r in results)
+    assert g.metric("kvfleet_gateway_wakes_total", model=MODEL, outcome="woke") >= 1
+    assert "waking it" in g.log()
+    wait_until(lambda: all(hb.state == "awake" for hb in reg.live_replicas(MODEL)), 20, 0.1, "awake")
+    # per replica too
+    replica = reg.live_replicas(MODEL)[0]
+    r = g.admin("POST", f"/admin/models/{MODEL}/replicas/{replica.name}/sleep")
+    assert r.status_code == 200 and list(r.json()["replicas"]) == [replica.replica_id]
+    assert g.admin("POST", f"/admin/models/{MODEL}/replicas/{replica.name}/wake").status_code == 200
+    assert g.admin("POST", f"/admin/models/{MODEL}/replicas/nope/wake").status_code == 404
+    assert g.admin("POST", f"/admin/models/{MODEL}/sleep", params={"level": 3}).status_code == 400
+    assert reg.last_activity(MODEL) is not None and time.time() - reg.last_activity(MODEL) < 60
+
+
+def test_one_redis_round_trip_per_request(fleet, key):
+    g = fleet.gateway
+    before = g.metric("kvfleet_gateway_redis_round_trips_total", path="request")
+    c = sdk(fleet, key)
+    for i in range(10):
+        c.completions.create(model=MODEL, prompt=f"count {i}", max_tokens=1)
+    after = g.metric("kvfleet_gateway_redis_round_trips_total", path="request")
+    assert after - before <= 10 + 1  # admit per request (+ at most one tenant-cache refresh)
