@@ -70,6 +70,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gpu-resource", default=defaults.gpu_resource, help="extended resource name of a GPU")
     p.add_argument("--shm-size", default=defaults.shm_size, help="size of each engine pod's /dev/shm")
+    p.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("KVFLEET_OTLP_ENDPOINT", defaults.otlp_endpoint),
+        help="OTLP/HTTP endpoint engine pods export traces to (their OTEL_EXPORTER_OTLP_ENDPOINT); "
+        "env KVFLEET_OTLP_ENDPOINT; empty: none",
+    )
 
 
 def config_from(args: argparse.Namespace) -> OperatorConfig:
@@ -81,6 +87,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         admin_token=args.admin_token,
         gpu_resource=args.gpu_resource,
         shm_size=args.shm_size,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 

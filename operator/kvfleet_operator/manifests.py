@@ -132,8 +132,9 @@ def shutdown_timeout(model: ModelSpec) -> int:
     return max(1, grace - SHUTDOWN_MARGIN_S) if grace > SHUTDOWN_MARGIN_S else max(1, grace // 2)
 
 
-def _engine_env(model: ModelSpec) -> list[dict[str, Any]]:
+def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
     secret = credentials_secret_name(model)
+    own = copy.deepcopy(list(model.engine.env))
     return [
         {
             "name": "KVFLEET_REDIS_URL",
@@ -153,8 +154,30 @@ def _engine_env(model: ModelSpec) -> list[dict[str, Any]]:
             "name": "HF_HOME",
             "value": f"{MODEL_MOUNT}/.hf-home" if model.source.scheme == "hf" else "/tmp/hf-home",
         },
-        *copy.deepcopy(list(model.engine.env)),
+        *_otel_env(model, config, {e.get("name") for e in own}),
+        *own,
     ]
+
+
+def _otel_env(model: ModelSpec, config: OperatorConfig, taken: set[str]) -> list[dict[str, Any]]:
+    """Where the engine exports its spans (``kvfleet_common.tracing`` reads the standard ``OTEL_*``
+    variables), when the operator was given an OTLP endpoint.
+
+    A variable the model's own ``spec.engine.env`` sets is left to it (a model may export elsewhere), which
+    also keeps names unique: server-side apply refuses a container whose env repeats a name. The resource
+    attributes name the pod, so a trace in Jaeger shows which replica served it."""
+    if not config.otlp_endpoint:
+        return []
+    attributes = ",".join([
+        "k8s.namespace.name=$(KVFLEET_NAMESPACE)",
+        "k8s.pod.name=$(KVFLEET_REPLICA_NAME)",
+        f"kvfleet.model={model.name}",
+    ])  # fmt: skip
+    env = [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
+    ]
+    return [e for e in env if e["name"] not in taken]
 
 
 def _resources(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
@@ -255,7 +278,7 @@ def config_hash(config_map_: dict[str, Any]) -> str:
 
 def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
     image = engine_image(model, config)
-    env = _engine_env(model)
+    env = _engine_env(model, config)
     volumes, mounts = _volumes(model, config)
     container: dict[str, Any] = {
         "name": "engine",

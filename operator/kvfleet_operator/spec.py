@@ -220,3 +220,6 @@ class OperatorConfig:
     gpu_resource: str = "nvidia.com/gpu"
     shm_size: str = "8Gi"
     extra_pod_labels: dict[str, str] = field(default_factory=dict)
+    # OTLP/HTTP endpoint (e.g. http://otel-collector.kvfleet-system.svc:4318) that engine pods export traces
+    # to, as OTEL_EXPORTER_OTLP_ENDPOINT. Empty: engines get no exporter (they still propagate traceparent).
+    otlp_endpoint: str = ""

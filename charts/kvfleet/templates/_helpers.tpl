@@ -68,3 +68,33 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
 {{- end -}}
+
+{{/* The OTLP/HTTP endpoint components export spans to: observability.otlpEndpoint, else the bundled
+collector; empty when observability is off (then no component gets an exporter). */}}
+{{- define "kvfleet.otlpEndpoint" -}}
+{{- if .Values.observability.enabled -}}
+{{- if .Values.observability.otlpEndpoint -}}
+{{- .Values.observability.otlpEndpoint -}}
+{{- else if .Values.observability.otelCollector.enabled -}}
+{{- printf "http://%s-otel-collector.%s.svc:4318" (include "kvfleet.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* OTEL_* environment of a component the chart runs: (dict "root" $ "service" "kvfleet-gateway").
+kvfleet_common.tracing reads these; empty when there is no endpoint. */}}
+{{- define "kvfleet.otelEnv" -}}
+{{- $endpoint := include "kvfleet.otlpEndpoint" .root -}}
+{{- if $endpoint -}}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $endpoint | quote }}
+- name: OTEL_SERVICE_NAME
+  value: {{ .service | quote }}
+- name: KVFLEET_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(KVFLEET_POD_NAME)" .root.Release.Namespace | quote }}
+{{- end -}}
+{{- end -}}
