@@ -79,6 +79,7 @@ def run_gateway(redis_url: str, log_dir: Path, *extra: str, env: dict | None = N
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
     handle = GatewayHandle(proc, f"http://127.0.0.1:{port}", log_path)
     try:
+
         def healthy():
             if proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {proc.returncode}:\n{handle.log()[-3000:]}")

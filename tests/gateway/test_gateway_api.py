@@ -58,7 +58,9 @@ def test_models_are_filtered_by_the_tenants_globs(fleet, key):
         sdk(fleet, other).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["code"] == "model_not_allowed"
     with pytest.raises(openai.NotFoundError) as e:
-        sdk(fleet, key).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        sdk(fleet, key).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.body["code"] == "model_not_found"
 
 
@@ -113,7 +115,9 @@ def test_shared_prefix_sticks_to_one_replica_and_the_prediction_is_exact(fleet, 
     """Same system prompt -> same replica, and the gateway's predicted cached tokens equal the engine's."""
     replicas, predictions = set(), []
     for i in range(4):
-        r = chat_raw(fleet, key, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}])
+        r = chat_raw(
+            fleet, key, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}]
+        )
         assert r.status_code == 200, r.text
         route = json.loads(r.headers["x-kvfleet-route"])
         assert route["policy"] == "prefix-aware" and len(route["candidates"]) == 2
@@ -134,7 +138,9 @@ def test_shared_prefix_sticks_to_one_replica_and_the_prediction_is_exact(fleet, 
         routes.append(r.headers["x-kvfleet-route"])
     assert len(spread) == 2, routes
     m = fleet.gateway.metrics()
-    assert any(k.startswith("kvfleet_gateway_routing_decisions_total") and 'prefix_hit="true"' in k for k in m)
+    assert any(
+        k.startswith("kvfleet_gateway_routing_decisions_total") and 'prefix_hit="true"' in k for k in m
+    )
 
 
 def test_gateway_token_ids_and_block_hashes_equal_the_engines(fleet, key):
@@ -142,13 +148,19 @@ def test_gateway_token_ids_and_block_hashes_equal_the_engines(fleet, key):
     [hb, *_] = reg.live_replicas(MODEL)
     tok = load_tokenizer_files(reg.fetch_tokenizer(MODEL, hb.tokenizer_revision))
     engine = fleet.engines[0]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Ünïcode, emoji 🚀 and\ttabs"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Ünïcode, emoji 🚀 and\ttabs"},
+    ]
     chat = ChatCompletionRequest(model=MODEL, messages=messages)
     engine_ids = httpx.post(f"{engine.url}/tokenize", json={"messages": messages}).json()["tokens"]
     assert prompt_token_ids(tok, chat) == engine_ids
     text = "The quick brown fox — jumps over the lazy dog. " * 4
     completion = CompletionRequest(model=MODEL, prompt=text)
-    assert prompt_token_ids(tok, completion) == httpx.post(f"{engine.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    assert (
+        prompt_token_ids(tok, completion)
+        == httpx.post(f"{engine.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    )
     # the hashes the gateway computes (with the tenant's salt) are exactly the blocks the engine stored
     salt = reg.tenant_for_key_hash(__import__("hashlib").sha256(key.encode()).hexdigest()).cache_salt
     assert salt  # tenants get their own cache by default
@@ -179,7 +191,9 @@ def test_requests_per_minute_limit(fleet):
 def test_tokens_per_minute_are_charged_from_real_usage(fleet):
     k = fleet.gateway.create_tenant("tpm", tokens_per_minute=20)
     c = sdk(fleet, k)
-    c.completions.create(model=MODEL, prompt="one two three four five", max_tokens=16, extra_body={"ignore_eos": True})
+    c.completions.create(
+        model=MODEL, prompt="one two three four five", max_tokens=16, extra_body={"ignore_eos": True}
+    )
 
     def refused():
         try:
@@ -197,7 +211,8 @@ def test_max_concurrent_requests(fleet):
     c = sdk(fleet, k)
     stream = c.completions.create(model=MODEL, prompt="long", max_tokens=400, stream=True,
                                   extra_body={"ignore_eos": True})  # fmt: skip
-    next(iter(stream))  # in flight now
+    chunks = iter(stream)  # keep the iterator: a collected one closes the response
+    next(chunks)  # in flight now
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=MODEL, prompt="b", max_tokens=1)
     assert "concurrent" in e.value.body["message"]
@@ -226,8 +241,12 @@ def test_client_disconnect_aborts_the_engine_request(fleet, key):
     engine = fleet.engine_for(replica)
     wait_until(lambda: engine.metric("kvfleet_engine_num_requests_running") == 0, 20, 0.1, "the abort")
     blocks = engine.metric("kvfleet_engine_kv_cache_blocks")
-    wait_until(lambda: engine.metric("kvfleet_engine_kv_cache_free_blocks") == blocks - 1, 20, 0.1,  # - the null block
-               "blocks freed")
+    wait_until(
+        lambda: engine.metric("kvfleet_engine_kv_cache_free_blocks") == blocks - 1,
+        20,
+        0.1,  # - the null block
+        "blocks freed",
+    )
     finished = fleet.gateway.metric("kvfleet_gateway_requests_total", status="499")
     assert finished >= 1
 

@@ -68,7 +68,9 @@ def test_rates_are_pooled_over_the_models_replicas():
     assert d.chosen.replica_id == "new#1"
     slow = cand("b#1", prefill_tokens_per_s=1000.0)
     assert choose("prefix-aware", [cand("a#1", prefill_tokens_per_s=3000.0), slow], 100, 0).scores == {
-        "a#1": pytest.approx(100 / 2000), "b#1": pytest.approx(100 / 2000)}
+        "a#1": pytest.approx(100 / 2000),
+        "b#1": pytest.approx(100 / 2000),
+    }
 
 
 def test_kv_pressure_is_penalised():
@@ -78,7 +80,11 @@ def test_kv_pressure_is_penalised():
 
 
 def test_least_load_and_round_robin():
-    cs = [cand("a#1", inflight=3), cand("b#1", inflight=1, matched_tokens=900), cand("c#1", inflight=1, running=5)]
+    cs = [
+        cand("a#1", inflight=3),
+        cand("b#1", inflight=1, matched_tokens=900),
+        cand("c#1", inflight=1, running=5),
+    ]
     assert choose("least-load", cs, 1000, 0).chosen.replica_id == "b#1"
     picks = [choose("round-robin", cs, 1000, i).chosen.replica_id for i in range(6)]
     assert picks == ["a#1", "b#1", "c#1", "a#1", "b#1", "c#1"]
