@@ -121,14 +121,14 @@ class Fleet:
         self._stack.callback(reg.close)
         return reg
 
-    def start_engines(self, n: int, *extra: str) -> list[ServerHandle]:
+    def start_engines(self, n: int, *extra: str, env: dict | None = None) -> list[ServerHandle]:
         started = []
         for _ in range(n):
             port = free_port()
             name = f"{MODEL}-{len(self.engines)}"
             handle = self._stack.enter_context(run_server(
                 self.model_dir, self.log_dir, "--max-model-len", "512", "--redis-url", self.redis.url,
-                "--replica-name", name, "--base-url", f"http://127.0.0.1:{port}", *extra, name=MODEL, port=port,
+                "--replica-name", name, "--base-url", f"http://127.0.0.1:{port}", *extra, name=MODEL, port=port, env=env,
             ))  # fmt: skip
             self.engines.append(handle)
             started.append(handle)
