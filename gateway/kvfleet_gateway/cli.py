@@ -62,7 +62,9 @@ def main(argv: list[str]) -> int:
 
     level = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; ours says more
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # one line per upstream call is noise; ours says more
     setup_tracing("kvfleet-gateway")
     kw = {"gateway_id": args.gateway_id} if args.gateway_id else {}
     try:

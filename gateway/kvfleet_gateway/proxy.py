@@ -251,10 +251,11 @@ class Proxy:
         ticket = self.load.start(
             chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)
         )
+        self.metrics.inflight.labels(r.model).inc()
         try:
             upstream = await self._send(r, payload, raw, span)
         except BaseException:
-            self.load.release(ticket, None)
+            self._release(r, ticket, None)
             raise
         headers = self._response_headers(r, raw, upstream)
         if body.stream and upstream.status_code == 200:
@@ -265,7 +266,7 @@ class Proxy:
         try:
             content = await upstream.aread()
         except httpx.HTTPError as e:
-            self.load.release(ticket, None)
+            self._release(r, ticket, None)
             self.metrics.upstream_errors.labels(r.model, "midstream").inc()
             raise ApiError(
                 503, f"the replica failed while answering: {type(e).__name__}", code="upstream_failed"
@@ -278,7 +279,7 @@ class Proxy:
                 r.usage = json.loads(content).get("usage")
             except ValueError:
                 r.usage = None
-        self.load.release(ticket, self._usage_record(r))
+        self._release(r, ticket, self._usage_record(r))
         self._finish(r)
         return Response(content, status_code=upstream.status_code, headers=headers,
                         media_type=upstream.headers.get("content-type", "application/json"))  # fmt: skip
@@ -384,11 +385,16 @@ class Proxy:
             raise
         finally:
             await upstream.aclose()
-            self.load.release(ticket, self._usage_record(r))
+            self._release(r, ticket, self._usage_record(r))
             span.set_attribute("http.response.status_code", r.status)
             self._finish(r)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
+
+    def _release(self, r: Routed, ticket: Ticket, usage: UsageRecord | None) -> None:
+        if not ticket.released:
+            self.metrics.inflight.labels(r.model).dec()
+        self.load.release(ticket, usage)
 
     def _response_headers(self, r: Routed, raw: Request, upstream: httpx.Response) -> dict[str, str]:
         headers = {"x-request-id": r.request_id}

@@ -216,7 +216,10 @@ def test_max_concurrent_requests(fleet):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=MODEL, prompt="b", max_tokens=1)
     assert "concurrent" in e.value.body["message"]
+    assert fleet.gateway.metric("kvfleet_gateway_inflight_requests", model=MODEL) == 1
     stream.close()
+    wait_until(lambda: fleet.gateway.metric("kvfleet_gateway_inflight_requests", model=MODEL) == 0, 10, 0.1,
+               "the gauge to drop")  # fmt: skip
     wait_until(lambda: _ok(lambda: c.completions.create(model=MODEL, prompt="b", max_tokens=1)), 10, 0.1,
                "the slot to free")  # fmt: skip
 
