@@ -216,6 +216,11 @@ def build_admin_router() -> APIRouter:
     @router.get("/usage")
     async def usage(_: Admin, request: Request, tenant: Annotated[str | None, Query()] = None) -> dict:
         reg = state(request).registry
+        if tenant is not None:
+            try:
+                redis_keys.check_name(tenant, "tenant")
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tenant") from None
         names = [tenant] if tenant else [r.name for r in await reg.list_tenants()]
         return {"data": await reg.tenant_usage(names)}
 
