@@ -84,6 +84,23 @@ def _retry_after_minute(now: float) -> str:
     return str(max(1, math.ceil(redis_keys.RATELIMIT_WINDOW_S - now % redis_keys.RATELIMIT_WINDOW_S)))
 
 
+def upstream_payload(body: CompletionRequest | ChatCompletionRequest, tenant: TenantRecord) -> bytes:
+    """The JSON sent to the engine: the client's request with the tenant's priority and cache salt, and
+    usage switched on for streams (see the module docstring)."""
+    data = body.model_dump(mode="json", exclude_unset=True)
+    data["priority"] = -tenant.priority + max(0, body.priority)
+    salt = _salt(tenant, body.cache_salt)
+    if salt:
+        data["cache_salt"] = salt
+    else:
+        data.pop("cache_salt", None)
+    if body.stream:
+        opts = dict(data.get("stream_options") or {})
+        opts["include_usage"] = True
+        data["stream_options"] = opts
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 class Proxy:
     def __init__(
         self,
@@ -247,7 +264,7 @@ class Proxy:
             "kvfleet.candidates": json.dumps(r.decision.explain(), separators=(",", ":")),
             "kvfleet.fallbacks": ",".join(r.fallbacks),
         })  # fmt: skip
-        payload = self._upstream_payload(body, r.tenant)
+        payload = upstream_payload(body, r.tenant)
         ticket = self.load.start(
             chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)
         )
@@ -283,20 +300,6 @@ class Proxy:
         self._finish(r)
         return Response(content, status_code=upstream.status_code, headers=headers,
                         media_type=upstream.headers.get("content-type", "application/json"))  # fmt: skip
-
-    def _upstream_payload(self, body, tenant: TenantRecord) -> bytes:
-        data = body.model_dump(mode="json", exclude_unset=True)
-        data["priority"] = -tenant.priority + max(0, body.priority)
-        salt = _salt(tenant, body.cache_salt)
-        if salt:
-            data["cache_salt"] = salt
-        else:
-            data.pop("cache_salt", None)
-        if body.stream:
-            opts = dict(data.get("stream_options") or {})
-            opts["include_usage"] = True
-            data["stream_options"] = opts
-        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
 
     # ---- upstream ------------------------------------------------------------------------------------
 

@@ -107,6 +107,9 @@ def engine_args(model: ModelSpec) -> list[str]:
         str(e.tensor_parallel_size),
         "--pipeline-parallel-size",
         str(e.pipeline_parallel_size),
+        # tenants' priorities (forwarded by the gateway) only order work under the priority policy
+        "--scheduling-policy",
+        "priority",
     ]
     optional = [
         ("--max-num-seqs", e.max_num_seqs),

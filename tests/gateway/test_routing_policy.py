@@ -108,3 +108,32 @@ def test_near_equal_predictions_are_ties_so_an_idle_fleet_spreads_small_requests
     # among ties, fewer requests in flight wins
     busy = [cand("a#1", inflight=1), cand("b#1", queued_tokens=2)]
     assert {choose("prefix-aware", busy, 40, i).chosen.replica_id for i in range(4)} == {"b#1"}
+
+
+def test_upstream_payload_carries_the_tenants_priority_and_salt():
+    import json
+
+    from kvfleet_common.openai_protocol import ChatCompletionRequest
+    from kvfleet_common.schemas import TenantRecord
+    from kvfleet_gateway.proxy import upstream_payload
+
+    gold = TenantRecord(name="gold", priority=5, cache_salt="s1")
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, priority=-100
+    )
+    data = json.loads(upstream_payload(req, gold))
+    assert data["priority"] == -5  # engine: lower runs first; a client cannot raise its own priority
+    assert data["cache_salt"] == "s1"
+    assert data["stream_options"] == {"include_usage": True}
+    assert data["messages"] == [{"role": "user", "content": "hi"}] and data["model"] == "m"
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], priority=3, cache_salt="c"
+    )
+    data = json.loads(upstream_payload(req, gold))
+    assert data["priority"] == -2  # ...but may lower it
+    assert data["cache_salt"] == "s1\x1fc"  # a client salt extends the tenant's, never replaces it
+    assert "stream_options" not in data
+    shared = TenantRecord(name="shared")
+    assert "cache_salt" not in json.loads(
+        upstream_payload(req.model_copy(update={"cache_salt": None}), shared)
+    )
