@@ -10,7 +10,12 @@
 3. the operator, for real, as its own process (``kvfleet operator --server URL --standalone``);
 4. the pod runner (`podrunner.PodRunner`): the operator's Deployments become local ``kvfleet engine
    serve`` processes, their pod and Deployment status reported back like a kubelet would;
-5. the gateway, only with ``with_gateway=True``: `LocalPlatform.start_gateway` is the hook for it.
+5. the gateway, only with ``with_gateway=True`` (``kvfleet gateway``, its own process, same Redis and admin
+   token as the operator), so the example Tenant's API key works through it.
+
+With ``otlp_endpoint`` the gateway and every engine pod export their spans there (OTLP/HTTP): the operator
+renders the endpoint into the pod template (its ``--otlp-endpoint``), and the pod runner adds
+``OTEL_BSP_SCHEDULE_DELAY=100`` to every container so a test sees spans within a fraction of a second.
 
 `stop()` undoes it all in reverse and fails loudly if any process is left behind.
 
@@ -62,6 +67,10 @@ DEMO_MODEL_DIR = "demo-llama-tiny"
 OPERATOR_NAMESPACE = "kvfleet-system"
 ENGINE_IMAGE = "local/kvfleet-engine:dev"  # never pulled: the pod runner ignores images
 STARTUP_TIMEOUT_S = 120.0
+TENANT_KEY = "sk-team-a-change-me"  # examples/tenant.yaml (its Secret)
+DEMO_MODEL = "demo-tiny"  # examples/local-tiny.yaml
+# Export finished spans every 100 ms instead of the SDK's 5 s: tests wait for them.
+OTEL_FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -95,7 +104,10 @@ class LocalPlatform:
 
     ``work_dir`` holds everything (logs, kubeconfig, claims, pod directories); a temporary one is made and
     removed again when none is given. After `start`: ``redis_url``, ``kube_url``, ``kubeconfig``,
-    ``models_root`` (the ``kvfleet-models`` claim), ``runner`` (the pod runner), ``admin_token``.
+    ``models_root`` (the ``kvfleet-models`` claim), ``runner`` (the pod runner), ``admin_token``, and with
+    the gateway ``gateway_url``. ``gateway_port``: the gateway's port (default: a free one).
+    ``otlp_endpoint``: an OTLP/HTTP endpoint (``http://host:port``) the gateway and the engines export
+    their spans to.
     """
 
     def __init__(
@@ -106,6 +118,8 @@ class LocalPlatform:
         admin_token: str = "local-admin-token",
         operator_idle_check_s: float = 2.0,
         probe_period_s: float = 0.5,
+        gateway_port: int | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-local-")).resolve()
@@ -113,6 +127,8 @@ class LocalPlatform:
         self.admin_token = admin_token
         self.operator_idle_check_s = operator_idle_check_s
         self.probe_period_s = probe_period_s
+        self.gateway_port = gateway_port
+        self.otlp_endpoint = otlp_endpoint
         self.pvc_root = self.work_dir / "pvc"
         self.models_root = self.pvc_root / MODELS_CLAIM
         self.kubeconfig = self.work_dir / "kubeconfig"
@@ -155,6 +171,7 @@ class LocalPlatform:
                 pvc_root=self.pvc_root,
                 work_dir=self.work_dir,
                 probe_period_s=self.probe_period_s,
+                extra_env=self._pod_env(),
             ).start()
             if self.with_gateway:
                 self.start_gateway()
@@ -183,6 +200,7 @@ class LocalPlatform:
             except BaseException as e:  # keep tearing down; report at the end
                 errors.append(e)
         self.gateway = self.operator = None
+        self.gateway_url = None
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         if errors:
@@ -213,6 +231,11 @@ class LocalPlatform:
         }
         self.kubeconfig.write_text(json.dumps(config, indent=2) + "\n")
 
+    def _pod_env(self) -> dict[str, str]:
+        """What the pod runner adds to every container (before the template's own env). The OTLP endpoint
+        itself comes from the pod template, as in a cluster (the operator's ``--otlp-endpoint``)."""
+        return dict(OTEL_FAST_EXPORT) if self.otlp_endpoint else {}
+
     def _start_operator(self) -> None:
         health_port = free_port()
         cmd = [
@@ -227,6 +250,8 @@ class LocalPlatform:
             f"--idle-check-seconds={self.operator_idle_check_s}",
             "--resync-seconds=5",
         ]  # fmt: skip
+        if self.otlp_endpoint:
+            cmd.append(f"--otlp-endpoint={self.otlp_endpoint}")
         with (self.work_dir / "operator.log").open("ab") as out:
             self.operator = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -246,22 +271,26 @@ class LocalPlatform:
         wait_for(healthy, STARTUP_TIMEOUT_S, "the operator did not report healthy", interval=0.2)
 
     def start_gateway(self) -> None:
-        """HOOK for the gateway (issue 7, gateway part): start ``kvfleet gateway`` against this platform's
-        Redis and set ``gateway_url``. Raises NotImplementedError while the gateway package is missing."""
+        """Start ``kvfleet gateway`` against this platform's Redis (admin token = the operator's, so it can
+        sleep and wake the engines), wait until ``/health`` answers, and set ``gateway_url``."""
         if importlib.util.find_spec("kvfleet_gateway") is None:
-            raise NotImplementedError("the gateway (kvfleet_gateway) is not part of this checkout yet")
-        port = free_port()
+            raise RuntimeError("the gateway is not installed: pip install -e '.[gateway]'")
+        port = self.gateway_port or free_port()
         cmd = [
             sys.executable, "-m", "kvfleet_common.cli", "gateway",
             "--redis-url", self.redis_url,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--admin-token", self.admin_token,
+            f"--admin-token={self.admin_token}",  # "=": a token may start with "-"
         ]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.otlp_endpoint:
+            env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, **OTEL_FAST_EXPORT}
         with (self.work_dir / "gateway.log").open("ab") as out:
             self.gateway = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=env,
+            )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
 
         def healthy() -> bool:
@@ -277,6 +306,12 @@ class LocalPlatform:
 
         wait_for(healthy, STARTUP_TIMEOUT_S, "the gateway did not report healthy", interval=0.2)
         self.gateway_url = url
+
+    def stop_gateway(self) -> None:
+        """Stop the gateway (SIGTERM: it flushes its usage and removes its load record from Redis)."""
+        stop_process(self.gateway)
+        self.gateway = None
+        self.gateway_url = None
 
     # ---- using it -------------------------------------------------------------------------------------
 
@@ -323,6 +358,34 @@ class LocalPlatform:
 # ---- as a program ---------------------------------------------------------------------------------------
 
 
+def chat_through_gateway(platform: LocalPlatform, content: str, timeout: float = 120.0) -> httpx.Response:
+    """One chat completion of the example model through the gateway with the example tenant's key, once the
+    gateway's registry snapshot (refreshed every 0.5 s) lists the model; retried while it answers 503."""
+    assert platform.gateway_url is not None, "the gateway is not running"
+    headers = {"Authorization": f"Bearer {TENANT_KEY}"}
+
+    def attempt() -> httpx.Response | None:
+        try:
+            r = httpx.post(
+                f"{platform.gateway_url}/v1/chat/completions",
+                headers=headers,
+                json={
+                    "model": DEMO_MODEL,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": 24,
+                },
+                timeout=timeout,
+            )
+        except httpx.HTTPError:
+            return None
+        if r.status_code in (404, 503):  # not in the gateway's snapshot yet / replicas still starting
+            return None
+        r.raise_for_status()
+        return r
+
+    return wait_for(attempt, timeout, f"the gateway did not serve {DEMO_MODEL}", interval=0.5)
+
+
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="e2e/local_platform.py",
@@ -335,7 +398,22 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="demo model size")
     p.add_argument("--no-examples", action="store_true", help="do not apply the example tenant and model")
     p.add_argument("--with-gateway", action="store_true", help="also start the gateway")
+    p.add_argument("--gateway-port", type=int, default=None, help="the gateway's port (default: a free one)")
+    p.add_argument(
+        "--admin-token", default="local-admin-token", help="admin token of the gateway and engines"
+    )
+    p.add_argument(
+        "--otlp-endpoint", default=None, help="export the gateway's and engines' spans there (OTLP/HTTP)"
+    )
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="with the gateway: send one chat request through it with the example tenant's key, then stop",
+    )
     args = p.parse_args(argv)
+    if args.once and args.no_examples:
+        p.error("--once needs the examples (the tenant's key and the model)")
+    with_gateway = args.with_gateway or args.once
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("kvfleet.e2e").setLevel(logging.INFO)  # pods starting, exiting, restarting
     marker = args.work_dir / ".kvfleet-local-platform"
@@ -352,7 +430,14 @@ def _main(argv: list[str] | None = None) -> int:
     # Explicit handlers: a shell that starts this in the background makes it ignore SIGINT otherwise.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    platform = LocalPlatform(args.work_dir, with_gateway=args.with_gateway)
+    platform = LocalPlatform(
+        args.work_dir,
+        with_gateway=with_gateway,
+        admin_token=args.admin_token,
+        gateway_port=args.gateway_port,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+    status = 0
     try:
         platform.start()
         model_dir = platform.build_demo_model(preset=args.preset)
@@ -361,30 +446,47 @@ def _main(argv: list[str] | None = None) -> int:
                 "apply", "--validate=false", "-f", str(EXAMPLES / "tenant.yaml"), "-f",
                 str(EXAMPLES / "local-tiny.yaml"),
             )  # fmt: skip
-            print("waiting for InferenceModel demo-tiny to become Ready (the engine loads the model)...")
+            print(f"waiting for InferenceModel {DEMO_MODEL} to become Ready (the engine loads the model)...")
             wait_for(
-                lambda: platform.model_status("demo-tiny").get("phase") == "Ready",
+                lambda: platform.model_status(DEMO_MODEL).get("phase") == "Ready",
                 600,
-                "demo-tiny did not become Ready (see the pod logs)",
+                f"{DEMO_MODEL} did not become Ready (see the pod logs)",
                 interval=0.5,
             )
+        if args.once:
+            r = chat_through_gateway(platform, "Tell me about the lighthouse on the hill.")
+            body = r.json()
+            print(f"POST {platform.gateway_url}/v1/chat/completions (tenant team-a, key {TENANT_KEY}) "
+                  f"-> replica {r.headers.get('x-kvfleet-replica')}")  # fmt: skip
+            print(f"  -> {body['choices'][0]['message']['content']!r}\n  usage: {body['usage']}", flush=True)
+            return 0
+        gateway = (
+            f"""
+Through the gateway, with the example tenant's key (examples/tenant.yaml):
+  curl {platform.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {TENANT_KEY}' \\
+    -H 'content-type: application/json' \\
+    -d '{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 16}}'
+  curl -X POST -H 'Authorization: Bearer {platform.admin_token}' {platform.gateway_url}/admin/models/{DEMO_MODEL}/sleep
+"""
+            if platform.gateway_url
+            else "Gateway: not started (--with-gateway).\n"
+        )
         print(
             f"""
 kvfleet is running locally (work dir {platform.work_dir}).
 
   export KUBECONFIG={platform.kubeconfig}
   kubectl get im,deployments,pods               # apply needs --validate=false (the emulator has no OpenAPI)
-  kubectl scale im/demo-tiny --replicas=2
+  kubectl scale im/{DEMO_MODEL} --replicas=2
   redis-cli -u {platform.redis_url} keys 'kvf:*'
   tail -f {platform.work_dir}/pods/default/*/container.log {platform.work_dir}/operator.log
 
 Engine replicas announce their URL in Redis (kvf:replica:*, field base_url); e.g.
-  curl $(redis-cli -u {platform.redis_url} --scan --pattern 'kvf:replica:demo-tiny-*' | grep -v ':blocks$' \\
+  curl $(redis-cli -u {platform.redis_url} --scan --pattern 'kvf:replica:{DEMO_MODEL}-*' | grep -v ':blocks$' \\
       | head -1 | xargs -I{{}} redis-cli -u {platform.redis_url} hget {{}} base_url)/v1/chat/completions \\
     -H 'content-type: application/json' \\
-    -d '{{"model": "demo-tiny", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 16}}'
-Model weights: {model_dir} (pvc://{MODELS_CLAIM}/{model_dir.name}).
-Gateway: {platform.gateway_url or "not started (--with-gateway)"}.   Ctrl-C stops everything.
+    -d '{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 16}}'
+{gateway}Model weights: {model_dir} (pvc://{MODELS_CLAIM}/{model_dir.name}).   Ctrl-C stops everything.
 """,
             flush=True,
         )
@@ -392,12 +494,15 @@ Gateway: {platform.gateway_url or "not started (--with-gateway)"}.   Ctrl-C stop
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        status = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("stopping...", flush=True)
         platform.stop()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

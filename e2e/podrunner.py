@@ -30,7 +30,8 @@ Translation from pod to process (the only places where this differs from a node)
   ``/models`` becomes ``--model <pvc_root>/kvfleet-models/demo-llama-tiny``.
 - ``command[0]`` is looked up in ``commands`` (``kvfleet`` -> this interpreter's ``-m kvfleet_common.cli``),
   else on ``PATH``. The process inherits this process's environment minus ``KVFLEET_*`` (so it finds the
-  same virtualenv), then the container's ``env`` (``value`` with ``$(VAR)`` expansion, ``fieldRef``,
+  same virtualenv), then the runner's ``extra_env`` (what a node would add to every container; the harness
+  uses it for test-only settings such as a faster trace export), then the container's ``env`` (``value`` with ``$(VAR)`` expansion, ``fieldRef``,
   ``secretKeyRef``, ``configMapKeyRef``) and ``envFrom``.
 - Each container runs in its own process group (``start_new_session``); when its main process exits
   the rest of the group is killed, as a container runtime tears down a container. Stopping a pod sends
@@ -563,6 +564,7 @@ class LocalPod:
 
     def _env(self, api: Api, mounts: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+        env.update(self.runner.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
         env["HOSTNAME"] = self.name
         declared: dict[str, str] = {}
@@ -863,6 +865,7 @@ class PodRunner:
     ``pvc_root``: directory holding one directory per PersistentVolumeClaim name. ``work_dir``: pod
     directories (logs under ``pods/<namespace>/<pod>/container.log``). ``probe_period_s``: poll probes at
     most this often (failure windows kept). ``max_grace_s``: cap on a pod's termination grace period.
+    ``extra_env``: variables every container gets before its own ``env`` (which wins on a conflict).
     """
 
     def __init__(
@@ -878,8 +881,10 @@ class PodRunner:
         probe_period_s: float | None = 0.5,
         crash_backoff_s: float = 10.0,
         max_grace_s: float = 30.0,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.server = server.rstrip("/")
+        self.extra_env = dict(extra_env or {})
         self.pvc_root = Path(pvc_root)
         self.work_dir = Path(work_dir)
         self.label = label

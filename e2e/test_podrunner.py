@@ -88,6 +88,7 @@ def runner(kube: KubeEmulator, pvc_root: Path, tmp_path_factory) -> Iterator[Pod
         commands={"python": [sys.executable]},
         crash_backoff_s=1.5,
         probe_period_s=0.2,
+        extra_env={"NODE_DEFAULT": "node", "MODEL_DIR": "overridden by the template"},
     ).start()
     try:
         yield r
@@ -216,7 +217,8 @@ def test_pods_run_with_the_template_translated_for_this_machine(kube: KubeEmulat
         port = int(e["BASE_URL"].rsplit(":", 1)[1])
         assert port != 8080 and got["argv"][got["argv"].index("--port") + 1] == str(port)
         assert got["argv"][got["argv"].index("--host") + 1] == "127.0.0.1"
-        assert e["MODEL_DIR"] == str(runner.pvc_root / "app-claim" / "bin")
+        assert e["MODEL_DIR"] == str(runner.pvc_root / "app-claim" / "bin")  # the template wins
+        assert e["NODE_DEFAULT"] == "node"  # the runner's extra_env reaches every container
         assert e["KVFLEET_FROM_TEMPLATE"] == "yes"
         assert not any(k.startswith("KVFLEET_") and k != "KVFLEET_FROM_TEMPLATE" for k in e)
         ports.add(port)

@@ -24,6 +24,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "gateway": ("kvfleet_gateway.cli", "main", "run the multi-tenant OpenAI gateway (prefix-aware routing)"),
     "operator": ("kvfleet_operator.cli", "main", "run the Kubernetes operator (kopf); also: crds, render"),
+    "up": (
+        "kvfleet_common.up",
+        "main",
+        "run it all on this machine: redis, engine replicas, the gateway, a tenant, one request",
+    ),
 }
 
 
