@@ -85,3 +85,71 @@ def test_paged_decode_parallel_equals_serial():
     ref = _reference_decode(q, k_cache, v_cache, tables, lens, d**-0.5)
     torch.testing.assert_close(outs[0].double(), ref, rtol=1e-5, atol=2e-6)
 
+
+# ---- elementwise kernels (RMSNorm + residual, rotary) through the layers that use them ------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 x 512 crosses the threshold for splitting rows
+def test_rmsnorm_fused_matches_torch(tokens):
+    from kvfleet_engine.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(512, 1e-5)
+    norm.weight.data.copy_(torch.randn(512, generator=gen))
+    x = torch.randn(tokens, 512, generator=gen) * 4
+    res = torch.randn(tokens, 512, generator=gen)
+    x0, res0 = x.clone(), res.clone()
+    out, new_res = norm(x, res)
+    h = x0.double() + res0.double()
+    ref = norm.weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(new_res.double(), h, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+    alone = norm(x)
+    ref_alone = (
+        norm.weight.double() * x0.double() * torch.rsqrt(x0.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    )
+    torch.testing.assert_close(alone.double(), ref_alone, rtol=2e-6, atol=2e-6)
+
+
+def _rope_reference(rot, positions, x):
+    cos, sin = rot.cos[positions].unsqueeze(1).double(), rot.sin[positions].unsqueeze(1).double()
+    x = x.double()
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5, 700])
+def test_rotary_in_place_matches_torch(adjacent, tokens):
+    from kvfleet_engine.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(tokens)
+    h, kvh, d = 8, 2, 64
+    rot = RotaryEmbedding(d, 4096, 500000.0, None)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, generator=gen)
+    before = qkv.clone()
+    if adjacent:  # views of one fused projection output, as the model passes them
+        q = qkv[:, : h * d].view(tokens, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].view(tokens, kvh, d)
+    else:
+        q = qkv[:, : h * d].clone().view(tokens, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].clone().view(tokens, kvh, d)
+    q_ref = _rope_reference(rot, positions, before[:, : h * d].view(tokens, h, d))
+    k_ref = _rope_reference(rot, positions, before[:, h * d : (h + kvh) * d].view(tokens, kvh, d))
+    q_out, k_out = rot(positions, q, k)
+    torch.testing.assert_close(q_out.double(), q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out.double(), k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (h + kvh) * d :], before[:, (h + kvh) * d :])  # v untouched
+
+
+def test_rotary_out_of_range_positions_still_raise():
+    """The C kernel indexes its tables unchecked; positions beyond them must take the torch path (which
+    raises) rather than read out of bounds."""
+    from kvfleet_engine.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 32, 10000.0, None)
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 1, 64)
+    with pytest.raises(IndexError):
+        rot(torch.tensor([3, 32]), q, k)

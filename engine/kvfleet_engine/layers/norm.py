@@ -3,9 +3,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvfleet_engine.ops import elementwise_cpu
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 (as HF does), with an optional fused residual add."""
+    """RMSNorm computed in float32 (as HF does), with an optional fused residual add.
+
+    Float32 CPU rows go through one fused C pass (``ops/elementwise_cpu``); anything else through torch.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -21,6 +26,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = elementwise_cpu.rmsnorm(x, self.weight, self.eps, residual)
+        if fused is not None:
+            return fused[0] if residual is None else fused
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvfleet_engine.ops import elementwise_cpu
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -43,10 +45,47 @@ class RotaryEmbedding(nn.Module):
 
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._checked_positions: torch.Tensor | None = None
+        self._c_ok = False
 
     def clear_cache(self) -> None:
         """Forget the per-step gathered tables (e.g. before the worker sleeps)."""
-        self._positions = self._cos_sin = None
+        self._positions = self._cos_sin = self._checked_positions = None
+
+    def _c_ready(self, positions: torch.Tensor) -> bool:
+        """Whether this step's positions can go to the C kernel, which indexes the tables unchecked
+        (checked once per step: every layer sees the same positions tensor)."""
+        if positions is not self._checked_positions:
+            self._checked_positions = positions
+            self._c_ok = (
+                positions.device.type == "cpu"
+                and positions.dtype == torch.int64
+                and positions.dim() == 1
+                and (
+                    positions.numel() == 0
+                    or (int(positions.min()) >= 0 and int(positions.max()) < len(self.cos))
+                )
+            )
+        return self._c_ok
+
+    def _forward_c(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Rotate q and k in place with the C kernel; False if it does not apply (nothing changed)."""
+        if q.dtype != torch.float32 or k.dtype != torch.float32 or q.dim() != 3 or k.dim() != 3:
+            return False
+        if not elementwise_cpu.available() or not self._c_ready(positions):
+            return False
+        (t, h, d), kvh = q.shape, k.shape[1]
+        if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1) or d != self.cos.shape[1]:
+            return False
+        if k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + h * d * q.element_size():
+            # q and k heads are adjacent in each row (the fused qkv projection's output): one call.
+            rows = torch.as_strided(q, (t, (h + kvh) * d), (q.stride(0), 1))
+            return elementwise_cpu.rotary_(rows, h + kvh, positions, self.cos, self.sin)
+        qr = torch.as_strided(q, (t, h * d), (q.stride(0), 1))
+        kr = torch.as_strided(k, (t, kvh * d), (k.stride(0), 1))
+        return elementwise_cpu.rotary_(qr, h, positions, self.cos, self.sin) and elementwise_cpu.rotary_(
+            kr, kvh, positions, self.cos, self.sin
+        )
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer shares this module and sees the same positions tensor within a step: gather once.
@@ -61,7 +100,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
+        """q: [T, H, D], k: [T, KVH, D]; positions: [T]. Float32 CPU inputs are rotated in place and
+        returned; others get new tensors."""
+        if self._forward_c(positions, q, k):
+            return q, k
         cos, sin = self._lookup(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
