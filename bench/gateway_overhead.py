@@ -1,0 +1,598 @@
+"""Gateway overhead benchmark: the same streamed requests sent straight to an engine replica and through the
+gateway, in alternating rounds, against a zero-cost simulated replica.
+
+Fleet: a real Redis, one ``kvfleet engine serve --simulate`` replica with every ``--sim-*`` cost 0 (its steps
+cost only the engine's own bookkeeping, so latency is what the HTTP/SSE stack and the router add), and one
+``kvfleet gateway`` (default policy prefix-aware) with a tenant that has no limits.
+
+Load: ``--concurrency`` (100) streaming clients (asyncio + httpx, one connection pool per target), each sending
+``--requests-per-client`` chat requests back to back (closed loop): a short unique user message (~20 tokens
+through the chat template) and ``--output-len`` (16) tokens, ``stream_options.include_usage``. Rounds
+alternate direct -> gateway -> direct -> ... (``--rounds`` pairs), so slow drifts of the shared machine hit
+both sides alike; client ``i``'s ``j``-th request carries the same prompt in both rounds of a pair.
+
+Reported: TTFT (first chunk with text) and end-to-end latency percentiles per side, pooled over rounds;
+added latency = gateway percentile - direct percentile (p50, p99), plus the median of per-request paired
+differences and per-round p50s (noise); a sequential reference (concurrency 1, alternating per request:
+the gateway's own cost without queueing); the gateway's ``kvfleet_gateway_routing_overhead_seconds``
+(arrival -> upstream request sent); CPU seconds per request of the gateway, the engine and the client
+(``/proc``); Redis round trips per gateway request from ``kvfleet_gateway_redis_round_trips_total``
+(``path="request"`` and ``path="background"``, deltas over the gateway rounds) and Redis's own
+``total_commands_processed`` / ``INFO commandstats`` deltas per request, over the gateway rounds and,
+for comparison, over the direct rounds (what the replica's heartbeats and KV events cost on their own).
+
+``--profile`` then samples the gateway with py-spy (when installed) during extra gateway rounds and reports
+where its CPU time goes (self and inclusive time per function, and per library).
+
+Targets (issue): added latency p50 <= 2 ms and p99 <= 10 ms at 100 concurrent streams; at most 2 Redis round
+trips per request.
+
+    .venv/bin/python bench/gateway_overhead.py                 # 100 streams x 5 requests x 3 round pairs
+    .venv/bin/python bench/gateway_overhead.py --profile
+    .venv/bin/python bench/gateway_overhead.py --quick         # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common
+import _fleet as fleet_mod
+import _serve_common as sc
+
+NAME = "gateway_overhead"
+MODEL = "sim"
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 10.0
+TARGET_REDIS_ROUND_TRIPS = 2.0
+ZERO_COST = fleet_mod.SimCost(0.0, 0.0, 0.0, 0.0)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    common.add_model_args(p, default_preset="tiny")
+    p.add_argument("--quick", action="store_true", help="smoke test: 8 streams x 2 requests, 1 round pair")
+    p.add_argument("--concurrency", type=int, default=None, help="concurrent streaming clients (default 100)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="per client per round (default 5)")
+    p.add_argument("--rounds", type=int, default=None, help="direct/gateway round pairs (default 3)")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--prompt-words", type=int, default=12, help="words in each user message")
+    p.add_argument("--reference-requests", type=int, default=None,
+                   help="sequential requests per side at concurrency 1 (default 50; quick 4)")  # fmt: skip
+    p.add_argument(
+        "--warmup-requests", type=int, default=None, help="per side, before measuring (default 100)"
+    )
+    p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the gateway process (repeatable), e.g. OTEL_SDK_DISABLED=true")  # fmt: skip
+    p.add_argument("--profile", action="store_true", help="sample the gateway with py-spy in extra rounds")
+    p.add_argument("--profile-rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--log-dir", default=None, help="process logs (default bench/results/logs/gateway_overhead-<time>)"
+    )
+    p.add_argument("--out", default=None, help="JSON output (default bench/results/gateway_overhead.json)")
+    args = p.parse_args(argv)
+    for k, (q, full) in {"concurrency": (8, 100), "requests_per_client": (2, 5), "rounds": (1, 3),
+                         "reference_requests": (4, 50), "warmup_requests": (8, 100)}.items():  # fmt: skip
+        if getattr(args, k) is None:
+            setattr(args, k, q if args.quick else full)
+    for k in ("concurrency", "requests_per_client", "rounds", "output_len", "prompt_words"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    env = {}
+    for item in args.gateway_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--gateway-env expects KEY=VALUE, not {item!r}")
+        env[key] = value
+    args.gateway_env = env
+    return args
+
+
+def command_line(argv: list[str] | None) -> str:
+    return shlex.join(
+        [".venv/bin/python", "bench/gateway_overhead.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+
+
+# ---- load --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    side: str  # "direct" | "gateway"
+    round: int
+    client: int
+    index: int
+    ok: bool
+    ttft: float | None
+    e2e: float | None
+    error: str | None
+
+
+def body(prompt: str, output_len: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+async def closed_loop(
+    client: Any, side: str, rnd: int, prompts: list[list[str]], output_len: int
+) -> tuple[list[Sample], float]:
+    """``len(prompts)`` clients, client ``i`` sending ``prompts[i]`` one after another. Returns the samples and
+    the round's wall time."""
+
+    async def one_client(i: int) -> list[Sample]:
+        out = []
+        for j, text in enumerate(prompts[i]):
+            r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(text, output_len))
+            out.append(Sample(side, rnd, i, j, r.ok, r.ttft, r.e2e, r.error))
+        return out
+
+    t0 = time.perf_counter()
+    per_client = await asyncio.gather(*(one_client(i) for i in range(len(prompts))))
+    return [s for c in per_client for s in c], time.perf_counter() - t0
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Counters around a round: gateway metrics, Redis's own counters, CPU seconds of each process."""
+
+    request_trips: float
+    background_trips: float
+    trips_by_op: dict[str, float]
+    overhead_buckets: dict[float, float]
+    redis: dict[str, Any]
+    cpu_gateway: float
+    cpu_engine: float
+    cpu_client: float
+
+    @classmethod
+    def take(cls, fl: fleet_mod.Fleet) -> Snapshot:
+        assert fl.redis is not None and fl.gateway is not None
+        s = fleet_mod.scrape(fl.gateway_url)
+        trips = fleet_mod.metric_by(s, "kvfleet_gateway_redis_round_trips_total", "op")
+        buckets = {
+            float(x.labels["le"]): x.value
+            for x in s
+            if x.name == "kvfleet_gateway_routing_overhead_seconds_bucket" and x.labels.get("model") == MODEL
+        }
+        return cls(
+            request_trips=fleet_mod.metric_sum(s, "kvfleet_gateway_redis_round_trips_total", path="request"),
+            background_trips=fleet_mod.metric_sum(s, "kvfleet_gateway_redis_round_trips_total", path="background"),
+            trips_by_op=trips, overhead_buckets=buckets, redis=fl.redis.command_stats(),
+            cpu_gateway=fleet_mod.cpu_seconds([fl.gateway.pid]), cpu_engine=fleet_mod.cpu_seconds([fl.engines[0].pid]),
+            cpu_client=time.process_time(),
+        )  # fmt: skip
+
+
+def delta(a: Snapshot, b: Snapshot) -> dict[str, Any]:
+    return {
+        "request_trips": b.request_trips - a.request_trips,
+        "background_trips": b.background_trips - a.background_trips,
+        "trips_by_op": {
+            k: v - a.trips_by_op.get(k, 0.0)
+            for k, v in b.trips_by_op.items()
+            if v - a.trips_by_op.get(k, 0.0)
+        },
+        "overhead_buckets": {k: v - a.overhead_buckets.get(k, 0.0) for k, v in b.overhead_buckets.items()},
+        "redis": fleet_mod.command_stats_delta(a.redis, b.redis),
+        "cpu_gateway": b.cpu_gateway - a.cpu_gateway,
+        "cpu_engine": b.cpu_engine - a.cpu_engine,
+        "cpu_client": b.cpu_client - a.cpu_client,
+    }
+
+
+def _add(total: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    """Sum two ``delta`` results (nested dicts of numbers)."""
+    out = dict(total)
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out[k] = _add(total.get(k, {}), v)
+        else:
+            out[k] = total.get(k, 0) + v
+    return out
+
+
+def make_prompts(
+    args: argparse.Namespace, tokenizer: Any, words: list[str], count: int, salt: int
+) -> list[str]:
+    return sc.make_prompts(tokenizer, count, args.prompt_words, seed=args.seed * 100 + salt, words=words)
+
+
+async def measure(
+    fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str]
+) -> dict[str, Any]:
+    """Warm-up, the sequential reference, then alternating rounds with counters taken around each."""
+    assert fl.api_key is not None
+    direct = fleet_mod.make_client(fl.engine_urls[0], None, 120.0)
+    gateway = fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0)
+    clients = {"direct": direct, "gateway": gateway}
+    async with direct, gateway:
+        warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
+        width = min(args.concurrency, len(warm)) or 1
+        for side, c in clients.items():
+            chunks = [warm[i::width] for i in range(width)]
+            samples, _ = await closed_loop(c, side, -1, chunks, args.output_len)
+            if not any(s.ok for s in samples):
+                raise RuntimeError(f"every warm-up request to the {side} side failed: {samples[0].error}")
+
+        # Sequential reference: one request at a time, alternating sides, same prompt on both.
+        ref: list[Sample] = []
+        before = Snapshot.take(fl)
+        for j, text in enumerate(make_prompts(args, tokenizer, words, args.reference_requests, 2)):
+            for side, c in clients.items():
+                r = await fleet_mod.stream_request(c, "/v1/chat/completions", body(text, args.output_len))
+                ref.append(Sample(side, 0, 0, j, r.ok, r.ttft, r.e2e, r.error))
+        ref_counters = delta(before, Snapshot.take(fl))
+
+        rounds: list[dict[str, Any]] = []
+        samples: list[Sample] = []
+        counters: dict[str, dict[str, Any]] = {"direct": {}, "gateway": {}}
+        per_round = args.concurrency * args.requests_per_client
+        for k in range(args.rounds):
+            texts = make_prompts(args, tokenizer, words, per_round, 10 + k)
+            prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
+                       for i in range(args.concurrency)]  # fmt: skip
+            for side, c in clients.items():
+                common.log(
+                    f"round {k + 1}/{args.rounds}: {side}, {args.concurrency} streams x {args.requests_per_client}"
+                )
+                before = Snapshot.take(fl)
+                got, wall = await closed_loop(c, side, k, prompts, args.output_len)
+                d = delta(before, Snapshot.take(fl))
+                counters[side] = _add(counters[side], d)
+                samples.extend(got)
+                ttft = [s.ttft for s in got if s.ok and s.ttft is not None]
+                rounds.append({
+                    "round": k, "side": side, "requests": len(got), "ok": sum(s.ok for s in got), "wall_s": wall,
+                    "ttft_p50_ms": _ms(sc.percentile(ttft, 50)), "ttft_p99_ms": _ms(sc.percentile(ttft, 99)),
+                    "loadavg": common.loadavg(),
+                })  # fmt: skip
+    return {"reference": ref, "reference_counters": ref_counters, "samples": samples, "rounds": rounds,
+            "counters": counters}  # fmt: skip
+
+
+# ---- statistics ----------------------------------------------------------------------------------------
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1e3 * x, 3)
+
+
+def dist(values: Sequence[float]) -> dict[str, Any]:
+    return {"n": len(values), "mean": _ms(statistics.fmean(values)) if values else None,
+            **{f"p{q}": _ms(sc.percentile(values, q)) for q in (50, 90, 99)},
+            "max": _ms(max(values)) if values else None}  # fmt: skip
+
+
+def side_stats(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Per side: TTFT and E2E distributions; added = gateway - direct for each percentile; paired differences
+    (same round, client and index) summarised by their median and p99."""
+    out: dict[str, Any] = {}
+    for side in ("direct", "gateway"):
+        mine = [s for s in samples if s.side == side]
+        ok = [s for s in mine if s.ok]
+        errors = Counter((s.error or "?")[:120] for s in mine if not s.ok)
+        out[side] = {"requests": len(mine), "ok": len(ok), "errors": dict(errors),
+                     "ttft_ms": dist([s.ttft for s in ok if s.ttft is not None]),
+                     "e2e_ms": dist([s.e2e for s in ok if s.e2e is not None])}  # fmt: skip
+    added: dict[str, Any] = {}
+    for metric in ("ttft_ms", "e2e_ms"):
+        d, g = out["direct"][metric], out["gateway"][metric]
+        added[metric] = {q: (None if d[q] is None or g[q] is None else round(g[q] - d[q], 3))
+                         for q in ("mean", "p50", "p90", "p99")}  # fmt: skip
+    key = {(s.round, s.client, s.index): s for s in samples if s.side == "direct" and s.ok}
+    pairs: dict[str, list[float]] = {"ttft": [], "e2e": []}
+    for s in samples:
+        d = key.get((s.round, s.client, s.index))
+        if s.side == "gateway" and s.ok and d is not None:
+            pairs["ttft"].append(s.ttft - d.ttft)  # type: ignore[operator]
+            pairs["e2e"].append(s.e2e - d.e2e)  # type: ignore[operator]
+    out["added_ms"] = added
+    out["paired_ms"] = {m: {"n": len(v), "p50": _ms(sc.percentile(v, 50)), "p99": _ms(sc.percentile(v, 99))}
+                        for m, v in pairs.items()}  # fmt: skip
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a cumulative Prometheus histogram, interpolated linearly inside a bucket."""
+    items = sorted(buckets.items())
+    if not items or items[-1][1] <= 0:
+        return None
+    rank = q * items[-1][1]
+    prev_le, prev_n = 0.0, 0.0
+    for le, n in items:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 0.0)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+def overhead_quantiles(counters: dict[str, Any]) -> dict[str, float | None]:
+    """p50/p90/p99 of the gateway's ``kvfleet_gateway_routing_overhead_seconds`` over a window, in ms."""
+    buckets = counters.get("overhead_buckets", {})
+    return {f"p{q}": _ms(histogram_quantile(buckets, q / 100)) for q in (50, 90, 99)}
+
+
+def per_request(counters: dict[str, Any], n: int) -> dict[str, Any]:
+    if not n:
+        return {}
+    return {
+        "requests": n,
+        "gateway_redis_round_trips": {
+            "request_path": counters.get("request_trips", 0) / n,
+            "background": counters.get("background_trips", 0) / n,
+            "by_op": {k: v / n for k, v in counters.get("trips_by_op", {}).items()},
+        },
+        "redis_commands": {
+            "total": counters.get("redis", {}).get("total", 0) / n,
+            "by_command": {k: v / n for k, v in counters.get("redis", {}).get("calls", {}).items()},
+        },
+        "cpu_ms": {
+            k.removeprefix("cpu_"): 1e3 * counters.get(k, 0) / n
+            for k in ("cpu_gateway", "cpu_engine", "cpu_client")
+        },
+    }
+
+
+# ---- profile -------------------------------------------------------------------------------------------
+
+_LIBRARIES = (
+    ("opentelemetry", "opentelemetry"), ("uvicorn", "uvicorn"), ("h11", "h11"), ("httptools", "uvicorn"),
+    ("httpcore", "httpx/httpcore"), ("httpx", "httpx/httpcore"), ("anyio", "anyio"), ("starlette", "starlette"),
+    ("fastapi", "fastapi"), ("pydantic", "pydantic"), ("transformers", "tokenizer (transformers)"),
+    ("tokenizers", "tokenizer (transformers)"), ("jinja2", "chat template (jinja2)"), ("redis", "redis-py"),
+    ("prometheus_client", "prometheus_client"), ("kvfleet_gateway", "kvfleet_gateway"),
+    ("kvfleet_common", "kvfleet_common"), ("asyncio", "asyncio"), ("selectors", "asyncio"), ("json", "json"),
+    ("logging", "logging"),
+)  # fmt: skip
+
+
+def _library(frame: str) -> str:
+    """The library a ``func (path:line)`` frame belongs to (py-spy ``--full-filenames`` paths)."""
+    path = frame[frame.rfind("(") + 1 :]
+    for needle, name in _LIBRARIES:
+        if (
+            f"/{needle}/" in path
+            or f"/{needle}.py" in path
+            or path.startswith((f"{needle}/", f"{needle}.py"))
+        ):
+            return name
+    if "site-packages" not in path and ("/lib/python3" in path or path.startswith("<frozen")):
+        return "python (other stdlib)"
+    return "other"
+
+
+def _short(frame: str) -> str:
+    """``"func (/.../site-packages/pkg/mod.py:12)"`` -> ``"func (pkg/mod.py)"``: one name per function."""
+    name, sep, where = frame.rpartition(" (")
+    if not sep:
+        return frame
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    for marker, keep in (("site-packages/", ""), ("/gateway/kvfleet_gateway/", "kvfleet_gateway/"),
+                         ("/common/kvfleet_common/", "kvfleet_common/")):  # fmt: skip
+        if marker in path:
+            path = keep + path.split(marker, 1)[1]
+            break
+    else:
+        m = re.search(r"/lib/python3\.\d+/", path)
+        if m:
+            path = path[m.end() :]
+    return f"{name} ({path})"
+
+
+def summarize_profile(raw: str, top: int = 25) -> dict[str, Any]:
+    """py-spy ``--format raw`` (collapsed stacks ``f1;f2;...;fn count``): share of samples per function
+    (self: innermost frame; inclusive: anywhere on the stack) and per library (innermost frame's)."""
+    self_t: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    libs: Counter[str] = Counter()
+    libs_incl: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        full = stack.split(";")
+        frames = [_short(f) for f in full]
+        total += n
+        self_t[frames[-1]] += n
+        libs[_library(full[-1])] += n
+        for f in set(frames):
+            incl[f] += n
+        for lib in {_library(f) for f in full}:
+            libs_incl[lib] += n
+
+    def share(c: Counter[str]) -> list[list[Any]]:
+        return [[k, round(v / total, 4)] for k, v in c.most_common(top)] if total else []
+
+    return {"samples": total, "self": share(self_t), "inclusive": share(incl), "library_self": share(libs),
+            "library_inclusive": share(libs_incl)}  # fmt: skip
+
+
+async def _profile_rounds(
+    fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str]
+) -> int:
+    assert fl.api_key is not None
+    n = 0
+    async with fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0) as c:
+        for k in range(args.profile_rounds):
+            texts = make_prompts(args, tokenizer, words, args.concurrency * args.requests_per_client, 50 + k)
+            prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
+                       for i in range(args.concurrency)]  # fmt: skip
+            got, _ = await closed_loop(c, "gateway", k, prompts, args.output_len)
+            n += len(got)
+    return n
+
+
+def profile_gateway(fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str],
+                    log_dir: Path) -> dict[str, Any]:  # fmt: skip
+    """Attach py-spy to the gateway (sampling from outside: ~no overhead inside it) while it serves
+    ``--profile-rounds`` extra rounds; summarise where its CPU time went."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(exe).is_file():
+        return {"error": "py-spy is not installed"}
+    assert fl.gateway is not None
+    out = log_dir / "gateway-profile.txt"
+    cmd = [exe, "record", "--pid", str(fl.gateway.pid), "--rate", "250", "--format", "raw", "--nonblocking",
+           "--full-filenames", "-o", str(out)]  # fmt: skip
+    with (log_dir / "py-spy.log").open("wb") as log:
+        spy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1.0)  # attached
+        cpu0 = fleet_mod.cpu_seconds([fl.gateway.pid])
+        n = asyncio.run(_profile_rounds(fl, args, tokenizer, words))
+        cpu = fleet_mod.cpu_seconds([fl.gateway.pid]) - cpu0
+    finally:
+        spy.send_signal(2)  # SIGINT: py-spy writes what it recorded and exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            spy.wait(30)
+        if spy.poll() is None:
+            spy.kill()
+            spy.wait()
+    if not out.is_file():
+        return {"error": f"py-spy wrote nothing (see {log_dir / 'py-spy.log'})"}
+    return {"requests": n, "gateway_cpu_ms_per_request": 1e3 * cpu / n if n else None, "file": str(out),
+            **summarize_profile(out.read_text())}  # fmt: skip
+
+
+# ---- report --------------------------------------------------------------------------------------------
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def render(result: dict[str, Any]) -> None:
+    rows = []
+    for label, stats in (("100-stream rounds" if result["workload"]["concurrency"] == 100
+                          else f"{result['workload']['concurrency']}-stream rounds", result["stats"]),
+                         ("sequential reference", result["reference"])):  # fmt: skip
+        for side in ("direct", "gateway"):
+            s = stats[side]
+            rows.append([label, side, f"{s['ok']}/{s['requests']}", _f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"]["p99"]),
+                         _f(s["e2e_ms"]["p50"]), _f(s["e2e_ms"]["p99"])])  # fmt: skip
+        a = stats["added_ms"]
+        rows.append([label, "added (gateway - direct)", "", _f(a["ttft_ms"]["p50"]), _f(a["ttft_ms"]["p99"]),
+                     _f(a["e2e_ms"]["p50"]), _f(a["e2e_ms"]["p99"])])  # fmt: skip
+    notes = []
+    pr, direct = result["per_gateway_request"], result["per_direct_request"]
+    if pr:
+        t = pr["gateway_redis_round_trips"]
+        by_op = ", ".join(f"{k} {v:.3f}" for k, v in t["by_op"].items())
+        notes.append(f"gateway Redis round trips per request: {t['request_path']:.3f} on the request path ({by_op}), "
+                     f"{t['background']:.3f} background")  # fmt: skip
+        notes.append(f"Redis commands per request: {pr['redis_commands']['total']:.2f} through the gateway, "
+                     f"{direct.get('redis_commands', {}).get('total', 0):.2f} direct (the replica's own heartbeats and "
+                     "KV events)")  # fmt: skip
+        g, d = pr["cpu_ms"], direct["cpu_ms"]
+        notes.append(f"CPU ms per request: gateway {g['gateway']:.2f}, engine {g['engine']:.2f}, client "
+                     f"{g['client']:.2f} (through the gateway); engine {d['engine']:.2f}, client {d['client']:.2f} "
+                     "(direct)")  # fmt: skip
+    ro, rr = result["gateway_routing_overhead_ms"], result["reference_routing_overhead_ms"]
+    notes.append(f"gateway's own routing overhead (arrival -> upstream request sent, its histogram): "
+                 f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds; "
+                 f"p50 {_f(rr['p50'])} ms, p99 {_f(rr['p99'])} ms sequential")  # fmt: skip
+    ref_cpu = result["reference_per_gateway_request"].get("cpu_ms")
+    if ref_cpu:
+        notes.append(f"sequential: gateway CPU {ref_cpu['gateway']:.2f} ms per request")
+    p = result["stats"]["paired_ms"]
+    notes.append(f"paired differences (same prompt, same client slot): TTFT p50 {_f(p['ttft']['p50'])} ms, "
+                 f"E2E p50 {_f(p['e2e']['p50'])} ms")  # fmt: skip
+    for name, t in result["targets"].items():
+        notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} ({t['detail']})")
+    notes.extend(result["notes"])
+    common.print_table(
+        f"Gateway overhead: {result['command']}",
+        ["load", "side", "ok", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms"],
+        rows,
+        notes,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    busy = common.busy_machine_warning()
+    model_dir = common.resolve_model(args)
+    log_dir = (Path(args.log_dir) if args.log_dir
+               else common.RESULTS_DIR / "logs" / f"{NAME}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
+    tokenizer = sc.load_tokenizer(model_dir)
+    words = sc.word_pool(tokenizer)
+    result: dict[str, Any] = {
+        "benchmark": NAME, "command": command_line(argv),
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "workload": {"concurrency": args.concurrency, "requests_per_client": args.requests_per_client,
+                     "rounds": args.rounds, "output_len": args.output_len, "prompt_words": args.prompt_words,
+                     "endpoint": "chat", "replica": "kvfleet engine serve --simulate, every --sim-* cost 0"},
+        "env": common.env_info(), "notes": [busy] if busy else [],
+    }  # fmt: skip
+    with fleet_mod.Fleet(
+        model_dir, MODEL, log_dir, 1, ZERO_COST, 4096, 1024, gateway_env=args.gateway_env
+    ) as fl:
+        result["boot_s"] = fl.boot("prefix-aware")
+        result["contention_before"] = common.contention()
+        m = asyncio.run(measure(fl, args, tokenizer, words))
+        result["contention_after"] = common.contention()
+        result["rounds"] = m["rounds"]
+        result["stats"] = side_stats(m["samples"])
+        result["reference"] = side_stats(m["reference"])
+        n_gw = sum(1 for s in m["samples"] if s.side == "gateway")
+        n_direct = sum(1 for s in m["samples"] if s.side == "direct")
+        result["per_gateway_request"] = per_request(m["counters"]["gateway"], n_gw)
+        result["per_direct_request"] = per_request(m["counters"]["direct"], n_direct)
+        result["gateway_routing_overhead_ms"] = overhead_quantiles(m["counters"]["gateway"])
+        result["reference_routing_overhead_ms"] = overhead_quantiles(m["reference_counters"])
+        result["reference_per_gateway_request"] = per_request(
+            m["reference_counters"], args.reference_requests
+        )
+        result["counters"] = m["counters"]
+        if args.profile:
+            try:
+                result["profile"] = profile_gateway(fl, args, tokenizer, words, log_dir)
+            except Exception as e:
+                traceback.print_exc()
+                result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+    added = result["stats"]["added_ms"]
+    trips = result["per_gateway_request"].get("gateway_redis_round_trips", {}).get("request_path")
+    result["targets"] = {
+        "added_latency": {
+            "met": all(added[m_][q] is not None and added[m_][q] <= lim
+                       for m_ in ("ttft_ms", "e2e_ms") for q, lim in (("p50", TARGET_P50_MS), ("p99", TARGET_P99_MS))),
+            "detail": f"TTFT p50 +{_f(added['ttft_ms']['p50'])} ms, p99 +{_f(added['ttft_ms']['p99'])} ms; "
+                      f"E2E p50 +{_f(added['e2e_ms']['p50'])} ms, p99 +{_f(added['e2e_ms']['p99'])} ms "
+                      f"(limits {TARGET_P50_MS:g} / {TARGET_P99_MS:g} ms)",
+        },
+        "redis_round_trips": {
+            "met": trips is not None and trips <= TARGET_REDIS_ROUND_TRIPS,
+            "detail": f"{_f(trips, 3)} per request on the request path (limit {TARGET_REDIS_ROUND_TRIPS:g})",
+        },
+    }  # fmt: skip
+    result["log_dir"] = str(log_dir)
+    render(result)
+    fleet_mod.write_json(args.out or common.default_out(NAME), result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,703 @@
+"""Routing benchmark: prefix-aware vs least-load vs round-robin on one fleet of simulated replicas.
+
+A real gateway (``kvfleet gateway``) in front of 4 real simulated replicas (``kvfleet engine serve --simulate``:
+API server, scheduler, KV cache with prefix caching, Redis presence; the forward pass replaced by a timing
+model, see docs/SERVER.md), a real Redis, and an open-loop load generator. Every policy runs the same
+requests with the same Poisson arrival times (fixed seed) on a cold fleet: before each (scenario, policy) run
+the replicas are restarted (empty KV caches, no measured rates), Redis is flushed and a new gateway starts
+with ``--default-policy``. Requests are streamed chat completions from one tenant with no limits.
+
+Scenarios (prompt text is vocabulary words of the demo model's tokenizer, one token each, so a 2,000-word
+system prompt is 2,000 tokens; counts are measured with the tokenizer and the chat template, as the
+gateway and engine compute them):
+
+* ``shared-prefix`` (a): 16 groups x 8 users; each user asks one question: the group's 2,000-token system
+  prompt + a 200-token question, 100 output tokens. Users arrive in a random order.
+* ``multi-turn`` (b): 32 chats of 6 turns: a 500-token system prompt of its own, 100-token user messages,
+  100-token answers; each turn quotes the whole chat so far and is sent 1 s (exponential think time)
+  after the previous answer ended. Chats start as a Poisson process.
+* ``hot-prefix`` (c): one 2,000-token system prompt shared by every request, 200-token questions.
+* ``no-sharing`` (d): every request has its own 2,000-token system prompt and question (nothing to reuse).
+
+Timing model (per replica, ``--sim-*`` flags): prefill 1.25 ms per uncached prompt token (800 tokens/s: a
+2,000-token prompt takes 2.5 s), 30 ms per decode step + 0.1 ms per decoding sequence, 1 ms per step; KV cache
+768 blocks of 16 tokens (12,288 tokens: about 5 of the 16 system prompts of (a) besides the running
+requests). So a request is almost entirely simulated time (sleep): a cache miss of (a) takes ~2.8 s to its
+first token and ~3 s more to stream 100 tokens.
+
+Why these numbers: streaming costs real CPU. Measured here, one 100-token request costs ~120 ms of CPU over
+the client, the gateway and the replicas' API servers (~0.5 ms per streamed token per hop), and this
+machine has 2 shared cores. Capacity is prefill-bound (each replica prefills at most 800 tokens/s, decode
+steps batch every running request), so a fleet's capacity in requests/s is::
+
+    capacity = replicas x prefill tokens/s / uncached prompt tokens per request
+
+For (a) at 800 tokens/s: 4 x 800 / ~480 (prefix-aware ideal: each group's system prompt computed once in
+the fleet, every other request prefills only its question) = ~6.7 requests/s; with no reuse (every request
+prefills ~2,230 tokens) 1.4 requests/s. At the 2-5k tokens/s of a small model on a GPU, 80 % of (a)'s
+capacity would be 13-33 requests/s: 1.6-4 cores of HTTP/SSE work, and the run would measure CPU contention,
+not routing. A slower simulated device keeps the same shape at a few requests/s.
+
+Arrival rate: ``--utilisation`` (0.8) x the *prefix-aware* fleet's capacity for the scenario, computed from
+the timing model with the ideal reuse (every prompt block computed once per fleet; found by hashing the
+actual prompts with the engine's block hashes), capped at ``--max-rate`` (5 requests/s: the CPU budget).
+Prefix-aware's capacity rather than round-robin's because the issue's throughput target can only show at a
+load one policy sustains and the other does not: below round-robin's capacity both complete every request
+as it arrives and throughput is the arrival rate for both. The no-reuse capacity is reported too; in (a) the
+rate is above it, so round-robin and least-load queue up. In (d) nothing can be reused and the rate is 80 %
+of the no-reuse capacity for every policy. ``--rate-basis no-cache`` picks 80 % of the no-reuse capacity in
+every scenario instead (all policies keep up; TTFT differences only).
+
+Reported per run: TTFT mean/p50/p99, end-to-end p50/p99, throughput (completed requests / makespan, the time
+from the first send to the last completion; output tokens/s), requests per replica and max/mean load share,
+cached prompt tokens (engines' ``usage.prompt_tokens_details.cached_tokens``) against the gateway's
+prediction (``kvfleet_gateway_predicted_cached_tokens_total`` / ``..._actual_cached_tokens_total``, and per
+request from the ``x-kvfleet-route`` debug header), preemptions, Redis round trips per request, and the CPU
+the fleet and the client used (the machine is shared: the load average is recorded too).
+
+Targets (issue): (a) prefix-aware mean TTFT >= 3x lower than round-robin and throughput >= 1.3x; (c) no
+replica gets more than 1.5x the mean number of requests under prefix-aware; (d) prefix-aware within 5 % of
+least-load (mean TTFT at most 5 % higher, throughput at most 5 % lower).
+
+    .venv/bin/python bench/routing.py                      # all scenarios and policies, ~20 min
+    .venv/bin/python bench/routing.py --scenarios shared-prefix --policies prefix-aware,round-robin
+    .venv/bin/python bench/routing.py --quick              # smoke test: 2 replicas, tiny workloads, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common
+import _fleet as fleet_mod
+import _serve_common as sc
+
+from kvfleet_common.hashing import hash_blocks
+
+NAME = "routing"
+MODEL = "sim"
+POLICIES = ("prefix-aware", "least-load", "round-robin")
+SCENARIOS = ("shared-prefix", "multi-turn", "hot-prefix", "no-sharing")
+BLOCK_SIZE = 16  # the engine's default; the gateway reads it from the heartbeats
+TARGET_TTFT_RATIO = 3.0  # (a) round-robin mean TTFT / prefix-aware mean TTFT
+TARGET_THROUGHPUT_RATIO = 1.3  # (a) prefix-aware / round-robin completed requests per second
+TARGET_MAX_LOAD_SHARE = 1.5  # (c) max replica requests / mean
+TARGET_NO_SHARING_TOLERANCE = 0.05  # (d) prefix-aware vs least-load
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    common.add_model_args(p, default_preset="tiny")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: 2 replicas, tiny workloads, replicas reset"
+    )
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}")
+    p.add_argument("--replicas", type=int, default=None, help="simulated replicas (default 4; quick 2)")
+    p.add_argument("--between-runs", choices=("restart", "reset"), default=None,
+                   help="restart: new replica processes + flushed Redis before every run (default); "
+                        "reset: keep them, empty their prefix caches (default with --quick)")  # fmt: skip
+    t = p.add_argument_group("timing model (per replica)")
+    t.add_argument("--prefill-ms-per-1k", type=float, default=None, help="default 1250 (800 tokens/s)")
+    t.add_argument("--decode-ms-per-step", type=float, default=None, help="default 30")
+    t.add_argument("--decode-ms-per-seq", type=float, default=0.1)
+    t.add_argument("--step-overhead-ms", type=float, default=1.0)
+    t.add_argument("--num-kv-blocks", type=int, default=None, help="default 768 (of 16 tokens)")
+    t.add_argument("--max-model-len", type=int, default=4096)
+    w = p.add_argument_group("workloads")
+    w.add_argument("--groups", type=int, default=None, help="(a) prompt groups (default 16)")
+    w.add_argument("--users-per-group", type=int, default=None, help="(a) users per group (default 8)")
+    w.add_argument(
+        "--system-len", type=int, default=None, help="(a, c, d) system prompt tokens (default 2000)"
+    )
+    w.add_argument("--question-len", type=int, default=None, help="(a, c, d) question tokens (default 200)")
+    w.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 100)")
+    w.add_argument("--chats", type=int, default=None, help="(b) conversations (default 32)")
+    w.add_argument("--turns", type=int, default=None, help="(b) turns per conversation (default 6)")
+    w.add_argument("--chat-system-len", type=int, default=None, help="(b) system prompt tokens (default 500)")
+    w.add_argument("--chat-message-len", type=int, default=None, help="(b) user message tokens (default 100)")
+    w.add_argument(
+        "--think-s", type=float, default=None, help="(b) mean think time between turns (default 1)"
+    )
+    w.add_argument("--hot-requests", type=int, default=None, help="(c) requests (default 128)")
+    w.add_argument("--unique-requests", type=int, default=None, help="(d) requests (default 96)")
+    r = p.add_argument_group("load")
+    r.add_argument("--utilisation", type=float, default=0.8, help="arrival rate / capacity (default 0.8)")
+    r.add_argument("--rate-basis", choices=("prefix-aware", "no-cache"), default="prefix-aware",
+                   help="whose capacity the rate is a fraction of (see the docstring)")  # fmt: skip
+    r.add_argument("--max-rate", type=float, default=None, help="cap on requests/s (CPU budget; default 5)")
+    r.add_argument("--seed", type=int, default=0, help="prompt, order and arrival seed")
+    p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the gateway process (repeatable)")  # fmt: skip
+    o = p.add_argument_group("output")
+    o.add_argument("--log-dir", default=None, help="process logs (default bench/results/logs/routing-<time>)")
+    o.add_argument("--out", default=None, help="JSON output (default bench/results/routing.json)")
+    o.add_argument("--request-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    args.scenarios = _subset(p, args.scenarios, SCENARIOS, "--scenarios")
+    args.policies = _subset(p, args.policies, POLICIES, "--policies")
+    quick = args.quick
+    defaults = {
+        "replicas": (2, 4), "between_runs": ("reset", "restart"), "prefill_ms_per_1k": (1000.0, 1250.0),
+        "decode_ms_per_step": (5.0, 30.0), "num_kv_blocks": (256, 768), "groups": (2, 16),
+        "users_per_group": (3, 8), "system_len": (64, 2000), "question_len": (16, 200), "output_len": (8, 100),
+        "chats": (3, 32), "turns": (2, 6), "chat_system_len": (32, 500), "chat_message_len": (16, 100),
+        "think_s": (0.05, 1.0), "hot_requests": (6, 128), "unique_requests": (6, 96), "max_rate": (20.0, 5.0),
+    }  # fmt: skip
+    for k, (q, full) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, q if quick else full)
+    if quick and args.max_model_len == 4096:
+        args.max_model_len = 1024
+    for k in ("replicas", "groups", "users_per_group", "system_len", "question_len", "output_len", "chats", "turns",
+              "chat_system_len", "chat_message_len", "hot_requests", "unique_requests", "num_kv_blocks"):  # fmt: skip
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if not 0 < args.utilisation <= 2 or args.max_rate <= 0:
+        p.error("--utilisation must be in (0, 2] and --max-rate > 0")
+    env = {}
+    for item in args.gateway_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--gateway-env expects KEY=VALUE, not {item!r}")
+        env[key] = value
+    args.gateway_env = env
+    return args
+
+
+def _subset(p: argparse.ArgumentParser, value: str, allowed: Sequence[str], flag: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        p.error(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}")
+    return [x for x in allowed if x in items]  # canonical order
+
+
+def command_line(argv: list[str] | None) -> str:
+    return shlex.join([".venv/bin/python", "bench/routing.py", *(sys.argv[1:] if argv is None else argv)])
+
+
+# ---- workloads -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Session:
+    """One user's requests, in order: a single question, or a chat's turns (each sent ``think_s[k]`` after
+    the previous answer ended, quoting the chat so far). ``start``: seconds from the run's start."""
+
+    sid: int
+    start: float
+    system: str
+    messages: list[str]
+    think_s: list[float] = field(default_factory=list)
+    group: int | None = None
+
+
+@dataclass(slots=True)
+class Workload:
+    scenario: str
+    sessions: list[Session]
+    output_len: int
+    info: dict[str, Any]
+
+
+def chat_messages(system: str, users: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
+    """The request's ``messages``: the system prompt, the earlier turns with their answers, the new message."""
+    out = [{"role": "system", "content": system}]
+    for i, u in enumerate(users):
+        out.append({"role": "user", "content": u})
+        if i < len(answers):
+            out.append({"role": "assistant", "content": answers[i]})
+    return out
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat request exactly as the gateway and the engine compute them."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def reuse_profile(prompts: Sequence[list[int]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """Prompt tokens in total, and uncached tokens if every full block were computed once in the whole fleet
+    (the prefix-aware ideal), processing the prompts in order. A hit never covers a prompt's last token."""
+    seen: set[bytes] = set()
+    total = uncached = 0
+    for ids in prompts:
+        hashes = hash_blocks(ids, block_size)
+        matched = 0
+        for h in hashes[: (len(ids) - 1) // block_size]:
+            if h not in seen:
+                break
+            matched += 1
+        total += len(ids)
+        uncached += len(ids) - matched * block_size
+        seen.update(hashes)
+    n = max(1, len(prompts))
+    return {
+        "requests": len(prompts),
+        "prompt_tokens_mean": total / n,
+        "uncached_tokens_mean_ideal": uncached / n,
+    }
+
+
+def build_workload(scenario: str, args: argparse.Namespace, tokenizer: Any, words: list[str]) -> Workload:
+    """Sessions (without start times) and the token profile the arrival rate is calibrated from."""
+    seed = args.seed * 1000 + SCENARIOS.index(scenario)
+    rng = random.Random(seed)
+
+    def texts(count: int, length: int, salt: int) -> list[str]:
+        return sc.make_prompts(tokenizer, count, length, seed=seed * 10 + salt, words=words)
+
+    sessions: list[Session] = []
+    if scenario == "shared-prefix":
+        systems = texts(args.groups, args.system_len, 1)
+        users = [(g, u) for g in range(args.groups) for u in range(args.users_per_group)]
+        rng.shuffle(users)
+        questions = texts(len(users), args.question_len, 2)
+        for i, ((g, _), q) in enumerate(zip(users, questions)):
+            sessions.append(Session(i, 0.0, systems[g], [q], group=g))
+    elif scenario == "hot-prefix":
+        (system,) = texts(1, args.system_len, 1)
+        for i, q in enumerate(texts(args.hot_requests, args.question_len, 2)):
+            sessions.append(Session(i, 0.0, system, [q], group=0))
+    elif scenario == "no-sharing":
+        systems = texts(args.unique_requests, args.system_len, 1)
+        for i, (s, q) in enumerate(zip(systems, texts(args.unique_requests, args.question_len, 2))):
+            sessions.append(Session(i, 0.0, s, [q]))
+    elif scenario == "multi-turn":
+        systems = texts(args.chats, args.chat_system_len, 1)
+        msgs = texts(args.chats * args.turns, args.chat_message_len, 2)
+        for i, s in enumerate(systems):
+            think = [rng.expovariate(1.0 / args.think_s) for _ in range(args.turns - 1)]
+            sessions.append(Session(i, 0.0, s, msgs[i * args.turns : (i + 1) * args.turns], think, group=i))
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+
+    # Token profile: the real prompts; a chat's answers are stand-ins of the output length (the simulated
+    # replica's answers are only known after the run).
+    placeholder = texts(1, args.output_len, 3)[0]
+    prompts = []
+    for s in sessions:
+        for k in range(len(s.messages)):
+            prompts.append(
+                prompt_ids(tokenizer, chat_messages(s.system, s.messages[: k + 1], [placeholder] * k))
+            )
+    profile = reuse_profile(prompts)
+    return Workload(scenario, sessions, args.output_len, profile)
+
+
+def calibrate(workload: Workload, args: argparse.Namespace, cost: fleet_mod.SimCost) -> dict[str, Any]:
+    """Capacities from the timing model, the chosen request rate, and Poisson start times for the sessions."""
+    prof = workload.info
+    per_replica_tok_s = cost.prefill_tokens_per_s
+    cap_ideal = args.replicas * per_replica_tok_s / prof["uncached_tokens_mean_ideal"]
+    cap_none = args.replicas * per_replica_tok_s / prof["prompt_tokens_mean"]
+    basis = cap_ideal if args.rate_basis == "prefix-aware" else cap_none
+    rate = min(args.utilisation * basis, args.max_rate)
+    turns = max(len(s.messages) for s in workload.sessions)
+    session_rate = rate / turns  # a chat's turns follow its answers: start chats at rate / turns
+    starts = sc.poisson_offsets(len(workload.sessions), session_rate, seed=args.seed + 7919)
+    for s, t in zip(workload.sessions, starts):
+        s.start = t
+    return {
+        "capacity_req_s_prefix_aware_ideal": cap_ideal,
+        "capacity_req_s_no_reuse": cap_none,
+        "rate_basis": args.rate_basis,
+        "rate_req_s": rate,
+        "rate_capped": rate < args.utilisation * basis,
+        "session_rate_per_s": session_rate,
+        "load_vs_no_reuse_capacity": rate / cap_none,
+        "load_vs_prefix_aware_capacity": rate / cap_ideal,
+        "arrivals_span_s": starts[-1] if starts else 0.0,
+    }
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Record:
+    """One request of a run, for the JSON (times in seconds; ``sent`` from the run's start)."""
+
+    session: int
+    turn: int
+    group: int | None
+    sent: float
+    ok: bool
+    ttft: float | None
+    e2e: float | None
+    replica: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    predicted_cached: int | None
+    output_tokens: int | None
+    error: str | None
+
+
+async def run_sessions(
+    base_url: str, api_key: str, workload: Workload, timeout_s: float
+) -> tuple[list[Record], float]:
+    """Play every session (open loop over sessions; a chat's turns wait for their answers). Returns the
+    records and the makespan (first send -> last completion)."""
+    records: list[Record] = []
+    headers = {"x-kvfleet-debug": "1"}
+
+    async with fleet_mod.make_client(base_url, api_key, timeout_s) as client:
+        t0 = time.perf_counter()
+        last_done = t0
+
+        async def play(s: Session) -> None:
+            nonlocal last_done
+            await asyncio.sleep(max(0.0, t0 + s.start - time.perf_counter()))
+            answers: list[str] = []
+            for k in range(len(s.messages)):
+                if k:
+                    await asyncio.sleep(s.think_s[k - 1])
+                body = {
+                    "model": MODEL, "messages": chat_messages(s.system, s.messages[: k + 1], answers),
+                    "max_tokens": workload.output_len, "stream": True, "stream_options": {"include_usage": True},
+                }  # fmt: skip
+                res = await fleet_mod.stream_request(client, "/v1/chat/completions", body, headers)
+                done = time.perf_counter()
+                last_done = max(last_done, done)
+                records.append(Record(
+                    s.sid, k, s.group, res.sent - t0, res.ok, res.ttft, res.e2e,
+                    res.replica.split("#")[0] if res.replica else None, res.prompt_tokens, res.cached_tokens,
+                    res.predicted_cached, res.output_tokens, res.error,
+                ))  # fmt: skip
+                if not res.ok:
+                    return  # a chat cannot go on without its answer
+                answers.append(res.text)
+
+        await asyncio.gather(*(play(s) for s in workload.sessions))
+    records.sort(key=lambda r: r.sent)
+    return records, last_done - t0
+
+
+async def warm_up(base_url: str, api_key: str, n: int, output_len: int) -> int:
+    """``n`` short, unique requests through the gateway (it loads the tokenizer on its first request)."""
+    ok = 0
+    async with fleet_mod.make_client(base_url, api_key, 120.0) as client:
+        for i in range(n):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"warm up {i}"}],
+                    "max_tokens": min(4, output_len), "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            res = await fleet_mod.stream_request(client, "/v1/chat/completions", body)
+            ok += res.ok
+    return ok
+
+
+def _gateway_counters(samples: list[fleet_mod.Sample]) -> dict[str, float]:
+    m = fleet_mod.metric_sum
+    return {
+        "predicted_cached_tokens": m(samples, "kvfleet_gateway_predicted_cached_tokens_total", model=MODEL),
+        "actual_cached_tokens": m(samples, "kvfleet_gateway_actual_cached_tokens_total", model=MODEL),
+        "redis_round_trips_request": m(samples, "kvfleet_gateway_redis_round_trips_total", path="request"),
+        "redis_round_trips_background": m(
+            samples, "kvfleet_gateway_redis_round_trips_total", path="background"
+        ),
+        "fallbacks": m(samples, "kvfleet_gateway_routing_fallbacks_total"),
+        "upstream_errors": m(samples, "kvfleet_gateway_upstream_errors_total"),
+    }
+
+
+def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
+    out = []
+    for url in urls:
+        s = fleet_mod.scrape(url)
+        out.append({
+            "prompt_tokens": fleet_mod.metric_sum(s, "kvfleet_engine_prompt_tokens_total"),
+            "cached_prompt_tokens": fleet_mod.metric_sum(s, "kvfleet_engine_cached_prompt_tokens_total"),
+            "preemptions": fleet_mod.metric_sum(s, "kvfleet_engine_num_preemptions"),
+            "prefill_tokens_per_s": fleet_mod.metric_sum(s, "kvfleet_engine_prefill_tokens_per_second"),
+        })  # fmt: skip
+    return out
+
+
+def run_policy(
+    fl: fleet_mod.Fleet, workload: Workload, policy: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    info: dict[str, Any] = {"policy": policy}
+    try:
+        common.log(f"{workload.scenario} / {policy}: booting the fleet ({args.between_runs})")
+        info["boot_s"] = fl.boot(policy, args.between_runs)
+        assert fl.api_key is not None
+        info["warmup_ok"] = asyncio.run(
+            warm_up(fl.gateway_url, fl.api_key, args.replicas, workload.output_len)
+        )
+        gw0, eng0 = _gateway_counters(fleet_mod.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
+        cpu0, client0 = fleet_mod.cpu_seconds(fl.pids()), time.process_time()
+        contention0 = common.contention()
+        n = sum(len(s.messages) for s in workload.sessions)
+        common.log(f"{workload.scenario} / {policy}: {n} requests at {workload.info['rate_req_s']:.2f} req/s")
+        records, makespan = asyncio.run(
+            run_sessions(fl.gateway_url, fl.api_key, workload, args.request_timeout)
+        )
+        cpu = fleet_mod.cpu_seconds(fl.pids()) - cpu0
+        client_cpu = time.process_time() - client0
+        contention1 = common.contention()
+        gw1, eng1 = _gateway_counters(fleet_mod.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
+        fl.check_alive()
+        info["summary"] = summarize(records, makespan, args.replicas, workload.output_len)
+        info["gateway"] = {k: gw1[k] - gw0[k] for k in gw1}
+        info["engines"] = [{k: e1[k] - e0[k] if k != "prefill_tokens_per_s" else e1[k] for k in e1}
+                           for e0, e1 in zip(eng0, eng1)]  # fmt: skip
+        info["cpu"] = {
+            "fleet_s": cpu,
+            "client_s": client_cpu,
+            "cores_used": (cpu + client_cpu) / max(makespan, 1e-9),
+        }
+        info["contention_before"], info["contention_after"] = contention0, contention1
+        info["requests"] = request_table(records)
+    except Exception as e:
+        traceback.print_exc()
+        info["error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def request_table(records: Sequence[Record]) -> dict[str, Any]:
+    """Per-request records as one row each (times in ms, rounded) for a compact JSON."""
+    fields = [f.name for f in dataclass_fields(Record)]
+    rows = []
+    for r in records:
+        row = asdict(r)
+        for k in ("sent", "ttft", "e2e"):
+            row[k] = None if row[k] is None else round(1e3 * row[k], 1)
+        rows.append([row[f] for f in fields])
+    return {"fields": [f"{f}_ms" if f in ("sent", "ttft", "e2e") else f for f in fields], "rows": rows}
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1e3 * x, 2)
+
+
+def summarize(records: Sequence[Record], makespan: float, replicas: int, output_len: int) -> dict[str, Any]:
+    """Latency, throughput, load share and cache figures of one run. Latencies in milliseconds."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    per_replica: dict[str, int] = {f"sim-{i}": 0 for i in range(replicas)}
+    for r in ok:
+        if r.replica is not None:
+            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    mean_load = len(ok) / replicas if replicas else 0.0
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    predicted = [r for r in ok if r.predicted_cached is not None and r.cached_tokens is not None]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[(r.error or "?")[:120]] = errors.get((r.error or "?")[:120], 0) + 1
+    out_tokens = sum(r.output_tokens or 0 for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": errors,
+        "makespan_s": round(makespan, 3),
+        "request_throughput": len(ok) / makespan if makespan > 0 else None,
+        "output_tok_s": out_tokens / makespan if makespan > 0 else None,
+        "output_tokens_exact": bool(ok) and all(r.output_tokens == output_len for r in ok),
+        "ttft_ms": {
+            "mean": _ms(sum(ttft) / len(ttft)) if ttft else None,
+            "p50": _ms(sc.percentile(ttft, 50)),
+            "p90": _ms(sc.percentile(ttft, 90)),
+            "p99": _ms(sc.percentile(ttft, 99)),
+            "max": _ms(max(ttft)) if ttft else None,
+        },
+        "e2e_ms": {
+            "mean": _ms(sum(e2e) / len(e2e)) if e2e else None,
+            "p50": _ms(sc.percentile(e2e, 50)),
+            "p99": _ms(sc.percentile(e2e, 99)),
+        },
+        "requests_per_replica": per_replica,
+        "load_share_max_over_mean": (max(per_replica.values()) / mean_load) if mean_load else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt if prompt else None,
+        "predicted_cached_tokens": sum(r.predicted_cached or 0 for r in predicted),
+        "predicted_cached_tokens_of": len(predicted),
+        "prediction_exact_fraction": (
+            sum(r.predicted_cached == r.cached_tokens for r in predicted) / len(predicted)
+            if predicted
+            else None
+        ),
+        "prediction_mean_abs_error_tokens": (
+            sum(abs((r.predicted_cached or 0) - (r.cached_tokens or 0)) for r in predicted) / len(predicted)
+            if predicted
+            else None
+        ),
+    }
+
+
+def _get(run: dict[str, Any] | None, *keys: str) -> float | None:
+    v: Any = run
+    for k in keys:
+        v = v.get(k) if isinstance(v, dict) else None
+    return v if isinstance(v, int | float) else None
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Prefix-aware against each other policy: TTFT (other / prefix-aware: > 1 means prefix-aware is faster)
+    and throughput (prefix-aware / other)."""
+    pa = runs.get("prefix-aware")
+    out: dict[str, Any] = {}
+    for other in ("round-robin", "least-load"):
+        o = runs.get(other)
+        if pa is None or o is None:
+            continue
+        t_pa, t_o = _get(pa, "summary", "ttft_ms", "mean"), _get(o, "summary", "ttft_ms", "mean")
+        x_pa, x_o = _get(pa, "summary", "request_throughput"), _get(o, "summary", "request_throughput")
+        out[f"vs_{other}"] = {
+            "ttft_mean_ratio": t_o / t_pa if t_pa and t_o is not None else None,
+            "throughput_ratio": x_pa / x_o if x_pa is not None and x_o else None,
+        }
+    return out
+
+
+def targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, evaluated where the run has what they need."""
+    out: dict[str, Any] = {}
+    a = scenarios.get("shared-prefix", {}).get("comparison", {}).get("vs_round-robin")
+    if a and a["ttft_mean_ratio"] is not None and a["throughput_ratio"] is not None:
+        out["shared_prefix"] = {
+            "ttft_mean_ratio": a["ttft_mean_ratio"], "throughput_ratio": a["throughput_ratio"],
+            "met": a["ttft_mean_ratio"] >= TARGET_TTFT_RATIO and a["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO,
+        }  # fmt: skip
+    c = _get(scenarios.get("hot-prefix", {}).get("policies", {}).get("prefix-aware"), "summary",
+             "load_share_max_over_mean")  # fmt: skip
+    if c is not None:
+        out["hot_prefix"] = {"load_share_max_over_mean": c, "met": c <= TARGET_MAX_LOAD_SHARE}
+    d = scenarios.get("no-sharing", {}).get("comparison", {}).get("vs_least-load")
+    if d and d["ttft_mean_ratio"] is not None and d["throughput_ratio"] is not None:
+        tol = TARGET_NO_SHARING_TOLERANCE
+        # ttft_mean_ratio = least-load / prefix-aware: prefix-aware at most 5 % slower <=> ratio >= 1/1.05
+        out["no_sharing"] = {
+            "ttft_mean_pa_over_ll": 1.0 / d["ttft_mean_ratio"] if d["ttft_mean_ratio"] else None,
+            "throughput_pa_over_ll": d["throughput_ratio"],
+            "met": d["ttft_mean_ratio"] >= 1.0 / (1.0 + tol) and d["throughput_ratio"] >= 1.0 - tol,
+        }
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def _f(x: Any, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def render(result: dict[str, Any]) -> None:
+    rows = []
+    for scen, s in result["scenarios"].items():
+        for policy, run in s["policies"].items():
+            m = run.get("summary")
+            if m is None:
+                rows.append([scen, policy, "error", *["-"] * 10])
+                continue
+            counts = "/".join(str(v) for v in m["requests_per_replica"].values())
+            g = run.get("gateway", {})
+            rows.append([
+                scen, policy, f"{m['completed']}/{m['requests']}", _f(m["request_throughput"], 2),
+                _f(m["output_tok_s"], 1), _f(m["ttft_ms"]["mean"]), _f(m["ttft_ms"]["p50"]), _f(m["ttft_ms"]["p99"]),
+                _f(100 * m["cache_hit_rate"], 1) if m["cache_hit_rate"] is not None else "-",
+                f"{_f(g.get('predicted_cached_tokens'))}/{_f(g.get('actual_cached_tokens'))}",
+                counts, _f(m["load_share_max_over_mean"], 2),
+            ])  # fmt: skip
+    notes = []
+    for scen, s in result["scenarios"].items():
+        w = s["workload"]
+        capped = "capped, " if w["rate_capped"] else ""
+        notes.append(
+            f"{scen}: {w['requests']} requests, prompt {w['prompt_tokens_mean']:.0f} tokens mean, "
+            f"{w['uncached_tokens_mean_ideal']:.0f} uncached if reused ideally; capacity (timing model) "
+            f"{w['capacity_req_s_prefix_aware_ideal']:.2f} req/s prefix-aware ideal, "
+            f"{w['capacity_req_s_no_reuse']:.2f} no reuse; rate {w['rate_req_s']:.2f} req/s ({capped}"
+            f"{100 * w['load_vs_prefix_aware_capacity']:.0f} % / {100 * w['load_vs_no_reuse_capacity']:.0f} % of them)"
+        )
+        for policy, run in s["policies"].items():
+            if "error" in run:
+                notes.append(f"{scen} / {policy} failed: {run['error']}")
+            elif run["summary"]["errors"]:
+                notes.append(f"{scen} / {policy} errors: {run['summary']['errors']}")
+        for other, c in s.get("comparison", {}).items():
+            notes.append(f"{scen}: prefix-aware {other.replace('_', ' ')}: TTFT mean {_f(c['ttft_mean_ratio'], 2)}x "
+                         f"lower, throughput {_f(c['throughput_ratio'], 2)}x")  # fmt: skip
+    for name, t in result["targets"].items():
+        notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} "
+                     f"({', '.join(f'{k} {v:.3g}' for k, v in t.items() if isinstance(v, float))})")  # fmt: skip
+    notes.extend(result["notes"])
+    common.print_table(
+        f"Routing benchmark: {result['command']}",
+        ["scenario", "policy", "ok", "req/s", "out tok/s", "TTFT mean ms", "p50", "p99", "hit %",
+         "cached pred/actual", "per replica", "max/mean"],
+        rows, notes,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    busy = common.busy_machine_warning()
+    model_dir = common.resolve_model(args)
+    log_dir = (
+        Path(args.log_dir)
+        if args.log_dir
+        else common.RESULTS_DIR / "logs" / f"routing-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    cost = fleet_mod.SimCost(args.prefill_ms_per_1k, args.decode_ms_per_step, args.decode_ms_per_seq,
+                             args.step_overhead_ms)  # fmt: skip
+    common.log("loading the tokenizer and building prompts")
+    tokenizer = sc.load_tokenizer(model_dir)
+    words = sc.word_pool(tokenizer)
+    workloads = {}
+    for scen in args.scenarios:
+        w = build_workload(scen, args, tokenizer, words)
+        w.info.update(calibrate(w, args, cost))
+        workloads[scen] = w
+    result: dict[str, Any] = {
+        "benchmark": NAME,
+        "command": command_line(argv),
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "model": str(model_dir),
+        "timing_model": {
+            **asdict(cost),
+            "prefill_tokens_per_s": cost.prefill_tokens_per_s,
+            "num_kv_blocks": args.num_kv_blocks,
+            "block_size": BLOCK_SIZE,
+            "replicas": args.replicas,
+        },
+        "env": common.env_info(),
+        "scenarios": {},
+        "notes": [busy] if busy else [],
+    }
+    with fleet_mod.Fleet(model_dir, MODEL, log_dir, args.replicas, cost, args.num_kv_blocks, args.max_model_len,
+                         gateway_env=args.gateway_env) as fl:  # fmt: skip
+        for scen, w in workloads.items():
+            runs = {policy: run_policy(fl, w, policy, args) for policy in args.policies}
+            result["scenarios"][scen] = {"workload": w.info, "policies": runs, "comparison": compare(runs)}
+    result["targets"] = targets(result["scenarios"])
+    result["log_dir"] = str(log_dir)
+    render(result)
+    fleet_mod.write_json(args.out or common.default_out(NAME), result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""``bench/routing.py`` and ``bench/gateway_overhead.py``: each runs end to end in ``--quick`` mode against a real
+Redis, real simulated replicas and a real gateway, and writes its JSON with the expected keys (no performance
+assertions); plus their pure helpers (workload building, capacity calibration, statistics, profile summary)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+
+import _fleet as fleet  # noqa: E402
+import _serve_common as sc  # noqa: E402
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", BENCH_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+routing = _load("routing")
+overhead = _load("gateway_overhead")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_words(demo_model):
+    tok = sc.load_tokenizer(demo_model(preset="tiny"))
+    return tok, sc.word_pool(tok)
+
+
+# ---- end to end ------------------------------------------------------------------------------------------
+
+
+def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
+    out = tmp_path / "routing.json"
+    argv = ["--quick", "--model", str(demo_model(preset="tiny")), "--scenarios", "shared-prefix,multi-turn",
+            "--policies", "prefix-aware,round-robin", "--log-dir", str(tmp_path / "logs"),
+            "--out", str(out)]  # fmt: skip
+    result = routing.main(argv)
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(result, default=str))
+    assert data["benchmark"] == "routing" and data["command"].startswith(
+        ".venv/bin/python bench/routing.py --quick"
+    )
+    assert set(data["timing_model"]) >= {
+        "prefill_ms_per_1k_tokens",
+        "decode_ms_per_step",
+        "num_kv_blocks",
+        "replicas",
+    }
+    assert list(data["scenarios"]) == ["shared-prefix", "multi-turn"]
+    for name, scen in data["scenarios"].items():
+        w = scen["workload"]
+        assert (
+            w["rate_req_s"] > 0 and w["capacity_req_s_prefix_aware_ideal"] >= w["capacity_req_s_no_reuse"] > 0
+        )
+        assert list(scen["policies"]) == ["prefix-aware", "round-robin"]
+        for policy, run in scen["policies"].items():
+            assert "error" not in run, (name, policy, run.get("error"))
+            s = run["summary"]
+            assert s["completed"] == s["requests"] == w["requests"] and s["failed"] == 0, (
+                name,
+                policy,
+                s["errors"],
+            )
+            assert s["output_tokens_exact"] is True
+            assert sum(s["requests_per_replica"].values()) == s["completed"]
+            assert set(s["requests_per_replica"]) == {"sim-0", "sim-1"}
+            assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and s["request_throughput"] > 0
+            assert 0 <= s["cache_hit_rate"] < 1
+            assert set(run["gateway"]) >= {
+                "predicted_cached_tokens",
+                "actual_cached_tokens",
+                "redis_round_trips_request",
+            }
+            # The gateway's counters agree with what the client saw in each response's usage.
+            assert run["gateway"]["actual_cached_tokens"] == s["cached_tokens"]
+            table = [dict(zip(run["requests"]["fields"], row)) for row in run["requests"]["rows"]]
+            assert len(table) == s["requests"]
+            assert all(r["replica"] in ("sim-0", "sim-1") and r["prompt_tokens"] > 0 for r in table)
+            assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in table)
+        assert set(scen["comparison"]) == {"vs_round-robin"}
+    chats = data["scenarios"]["multi-turn"]["policies"]["prefix-aware"]["requests"]
+    turns = {row[chats["fields"].index("turn")] for row in chats["rows"]}
+    assert turns == {0, 1}  # --quick: 2 turns per chat
+    assert set(data["targets"]) == {"shared_prefix"} and isinstance(
+        data["targets"]["shared_prefix"]["met"], bool
+    )
+
+
+def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--quick", "--model", str(demo_model(preset="tiny")), "--log-dir", str(tmp_path / "logs"),
+            "--out", str(out)]  # fmt: skip
+    result = overhead.main(argv)
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(result, default=str))
+    n = data["workload"]["concurrency"] * data["workload"]["requests_per_client"] * data["workload"]["rounds"]
+    for side in ("direct", "gateway"):
+        s = data["stats"][side]
+        assert s["requests"] == s["ok"] == n and s["errors"] == {}
+        assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
+        assert data["reference"][side]["ok"] == data["config"]["reference_requests"]
+    assert set(data["stats"]["added_ms"]) == {"ttft_ms", "e2e_ms"}
+    assert data["stats"]["paired_ms"]["ttft"]["n"] == n
+    per = data["per_gateway_request"]
+    assert per["requests"] == n
+    # Every gateway request makes its admission round trip on the request path.
+    assert per["gateway_redis_round_trips"]["by_op"]["admit"] == pytest.approx(1.0)
+    assert per["gateway_redis_round_trips"]["request_path"] >= 1.0
+    assert per["redis_commands"]["total"] > 0 and per["cpu_ms"]["gateway"] > 0
+    assert data["per_direct_request"]["cpu_ms"]["engine"] > 0
+    assert [r["side"] for r in data["rounds"]] == ["direct", "gateway"]
+    assert set(data["targets"]) == {"added_latency", "redis_round_trips"}
+    assert all(isinstance(t["met"], bool) for t in data["targets"].values())
+
+
+# ---- pure helpers ----------------------------------------------------------------------------------------
+
+
+def _args(**kw):
+    return routing.parse_args(
+        ["--quick", *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+    )
+
+
+@pytest.mark.parametrize("scenario", routing.SCENARIOS)
+def test_workloads_have_the_shape_asked_for(scenario: str, tokenizer_and_words) -> None:
+    tok, words = tokenizer_and_words
+    args = _args(groups=3, users_per_group=2, chats=2, turns=3, hot_requests=5, unique_requests=4)
+    w = routing.build_workload(scenario, args, tok, words)
+    again = routing.build_workload(scenario, args, tok, words)
+    assert [(s.system, s.messages) for s in w.sessions] == [(s.system, s.messages) for s in again.sessions]
+    for s in w.sessions:
+        assert len(tok.encode(s.system, add_special_tokens=False)) == (
+            args.chat_system_len if scenario == "multi-turn" else args.system_len
+        )
+    systems = {s.system for s in w.sessions}
+    if scenario == "shared-prefix":
+        assert len(w.sessions) == 6 and len(systems) == 3
+        assert sorted(s.group for s in w.sessions) == [0, 0, 1, 1, 2, 2]
+    elif scenario == "hot-prefix":
+        assert len(w.sessions) == 5 and len(systems) == 1
+    elif scenario == "no-sharing":
+        assert len(w.sessions) == 4 and len(systems) == 4
+    else:
+        assert len(w.sessions) == 2 and all(len(s.messages) == 3 and len(s.think_s) == 2 for s in w.sessions)
+    assert w.info["requests"] == sum(len(s.messages) for s in w.sessions)
+    assert w.info["uncached_tokens_mean_ideal"] <= w.info["prompt_tokens_mean"]
+    if scenario == "no-sharing":
+        assert w.info["uncached_tokens_mean_ideal"] == w.info["prompt_tokens_mean"]
+    else:
+        assert w.info["uncached_tokens_mean_ideal"] < w.info["prompt_tokens_mean"]
+
+
+def test_reuse_profile_counts_blocks_computed_once() -> None:
+    a = list(range(40))  # 2 full blocks + 8 tokens
+    b = [*range(32), 99, 98]  # shares a's 2 full blocks
+    p = routing.reuse_profile([a, b, a], block_size=16)
+    # a: 40 uncached; b: 34 - 32; a again: 40 - 32 (its partial last block was never cached)
+    assert p == {
+        "requests": 3,
+        "prompt_tokens_mean": (40 + 34 + 40) / 3,
+        "uncached_tokens_mean_ideal": (40 + 2 + 8) / 3,
+    }
+    # A hit never covers the last prompt token: a prompt of exactly 2 blocks seen twice recomputes its last block.
+    c = list(range(32))
+    assert routing.reuse_profile([c, c], block_size=16)["uncached_tokens_mean_ideal"] == (32 + 16) / 2
+
+
+def test_calibrate_rate_is_a_fraction_of_capacity_and_capped(tokenizer_and_words) -> None:
+    tok, words = tokenizer_and_words
+    cost = fleet.SimCost(1000.0, 10.0, 0.0, 0.0)  # 1,000 prompt tokens/s per replica
+    args = _args(replicas=2, max_rate=1000)
+    w = routing.build_workload("shared-prefix", args, tok, words)
+    c = routing.calibrate(w, args, cost)
+    assert c["capacity_req_s_no_reuse"] == pytest.approx(2 * 1000 / w.info["prompt_tokens_mean"])
+    assert c["capacity_req_s_prefix_aware_ideal"] == pytest.approx(
+        2 * 1000 / w.info["uncached_tokens_mean_ideal"]
+    )
+    assert (
+        c["rate_req_s"] == pytest.approx(0.8 * c["capacity_req_s_prefix_aware_ideal"])
+        and not c["rate_capped"]
+    )
+    starts = [s.start for s in w.sessions]
+    assert starts[0] == 0.0 and starts == sorted(starts) and starts[-1] > 0
+    capped = routing.calibrate(w, _args(replicas=2, max_rate=0.5), cost)
+    assert capped["rate_req_s"] == 0.5 and capped["rate_capped"]
+    basis = routing.calibrate(w, _args(replicas=2, max_rate=1000, rate_basis="no-cache"), cost)
+    assert basis["rate_req_s"] == pytest.approx(0.8 * basis["capacity_req_s_no_reuse"])
+    chats = routing.build_workload("multi-turn", args, tok, words)
+    cc = routing.calibrate(chats, args, cost)
+    assert cc["session_rate_per_s"] == pytest.approx(cc["rate_req_s"] / args.turns)
+
+
+def _record(replica: str, ttft: float, cached: int = 0, ok: bool = True, predicted: int | None = 0):
+    return routing.Record(0, 0, None, 0.0, ok, ttft if ok else None, ttft + 1 if ok else None, replica, 100, cached,
+                          predicted, 8 if ok else None, None if ok else "HTTP 503: x")  # fmt: skip
+
+
+def test_summary_compare_and_targets() -> None:
+    recs = [_record("sim-0", 0.1, 50, predicted=50), _record("sim-0", 0.3, 0, predicted=16),
+            _record("sim-1", 0.2), _record("sim-1", 0.0, ok=False)]  # fmt: skip
+    s = routing.summarize(recs, makespan=2.0, replicas=2, output_len=8)
+    assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert s["requests_per_replica"] == {"sim-0": 2, "sim-1": 1}
+    assert s["load_share_max_over_mean"] == pytest.approx(2 / 1.5)
+    assert s["request_throughput"] == 1.5 and s["output_tok_s"] == 12.0 and s["output_tokens_exact"] is True
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert s["cache_hit_rate"] == pytest.approx(50 / 300)
+    assert (
+        s["prediction_exact_fraction"] == pytest.approx(2 / 3)
+        and s["prediction_mean_abs_error_tokens"] == 16 / 3
+    )
+
+    def run(ttft_ms: float, tput: float, share: float = 1.0):
+        return {
+            "summary": {
+                "ttft_ms": {"mean": ttft_ms},
+                "request_throughput": tput,
+                "load_share_max_over_mean": share,
+            }
+        }
+
+    comp = routing.compare(
+        {"prefix-aware": run(100, 4.0), "round-robin": run(400, 2.0), "least-load": run(96, 4.1)}
+    )
+    assert comp["vs_round-robin"] == {"ttft_mean_ratio": 4.0, "throughput_ratio": 2.0}
+    t = routing.targets({
+        "shared-prefix": {"comparison": comp},
+        "hot-prefix": {"policies": {"prefix-aware": run(1, 1, share=1.6)}},
+        "no-sharing": {"comparison": comp},
+    })  # fmt: skip
+    assert t["shared_prefix"]["met"] is True
+    assert t["hot_prefix"]["met"] is False
+    assert t["no_sharing"]["met"] is True  # TTFT 4.2 % higher, throughput 2.4 % lower: within 5 %
+    slow = routing.compare({"prefix-aware": run(110, 4.0), "least-load": run(100, 4.0)})
+    assert routing.targets({"no-sharing": {"comparison": slow}})["no_sharing"]["met"] is False
+
+
+def test_overhead_statistics() -> None:
+    S = overhead.Sample
+    samples = [S("direct", 0, c, 0, True, 0.010 + c / 1000, 0.020, None) for c in range(5)]
+    samples += [S("gateway", 0, c, 0, True, 0.012 + c / 1000, 0.025, None) for c in range(5)]
+    samples.append(S("gateway", 0, 9, 0, False, None, None, "HTTP 503: x"))
+    st = overhead.side_stats(samples)
+    assert (
+        st["direct"]["ok"] == 5
+        and st["gateway"]["requests"] == 6
+        and st["gateway"]["errors"] == {"HTTP 503: x": 1}
+    )
+    assert st["added_ms"]["ttft_ms"]["p50"] == pytest.approx(2.0)
+    assert st["added_ms"]["e2e_ms"]["p99"] == pytest.approx(5.0)
+    assert st["paired_ms"]["ttft"] == {"n": 5, "p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
+
+
+def test_histogram_quantile() -> None:
+    buckets = {0.001: 10.0, 0.002: 30.0, 0.005: 40.0, math.inf: 40.0}
+    assert overhead.histogram_quantile(buckets, 0.25) == pytest.approx(0.001)
+    assert overhead.histogram_quantile(buckets, 0.5) == pytest.approx(0.0015)
+    assert overhead.histogram_quantile(buckets, 1.0) == pytest.approx(0.005)
+    assert overhead.histogram_quantile({}, 0.5) is None
+    assert overhead.histogram_quantile({0.001: 0.0, math.inf: 0.0}, 0.5) is None
+
+
+def test_profile_summary() -> None:
+    raw = "\n".join([
+        "main (app.py:1);handle (kvfleet_gateway/proxy.py:10);encode (tokenizers/x.py:3) 6",
+        "main (app.py:1);send (h11/_conn.py:5) 3",
+        "main (app.py:1);start_span (opentelemetry/trace/__init__.py:9) 1",
+    ])  # fmt: skip
+    p = overhead.summarize_profile(raw)
+    assert p["samples"] == 10
+    assert p["self"][0] == ["encode (tokenizers/x.py)", 0.6]
+    inclusive = dict(p["inclusive"])
+    assert inclusive["main (app.py)"] == 1.0 and inclusive["handle (kvfleet_gateway/proxy.py)"] == 0.6
+    assert dict(p["library_self"]) == {"tokenizer (transformers)": 0.6, "h11": 0.3, "opentelemetry": 0.1}
+    assert dict(p["library_inclusive"])["kvfleet_gateway"] == 0.6
+
+
+def test_redis_command_stats_delta_excludes_its_own_info_calls() -> None:
+    before = {"total_commands_processed": 100, "calls": {"evalsha": 10, "info": 4}}
+    after = {"total_commands_processed": 112, "calls": {"evalsha": 20, "info": 6}}
+    assert fleet.command_stats_delta(before, after) == {"total": 10, "calls": {"evalsha": 10}}
