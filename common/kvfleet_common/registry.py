@@ -32,7 +32,10 @@ from typing import Any, Literal
 import msgspec
 import redis
 import redis.asyncio
+import redis.asyncio.retry
 import redis.exceptions
+import redis.retry
+from redis.backoff import ExponentialBackoff
 
 from kvfleet_common import redis_keys as keys
 from kvfleet_common.schemas import (
@@ -333,12 +336,14 @@ return 1
 
 # The gateway's one round trip per request: admission (tenant limits) + routing facts (prefix match and
 # the other gateways' in-flight load per candidate replica).
-# KEYS: gateways zset, the tenant's rate-limit window, model activity.
+# KEYS: gateways zset, the tenant's rate-limit window of this minute, model activity, the previous minute's.
 # ARGV: 1 key prefix, 2 own gateway id, 3 now, 4 load ttl s, 5 tenant, 6 requests/min (0 = none),
 #       7 tokens/min, 8 max concurrent, 9 the tenant's in-flight requests on this gateway, 10 window ttl,
-#       11 number of candidates, 12 max match chunk, then candidate replica ids, then block hashes.
-# -> {'ok', matched, inflight, pending} per candidate (other gateways' load only), or {reason, used} when
-#    refused ('concurrency' | 'requests' | 'tokens'); nothing is counted for a refused request.
+#       11 weight of the previous minute (the part of it still inside the sliding minute),
+#       12 number of candidates, 13 max match chunk, then candidate replica ids, then block hashes.
+# -> {'ok', matched, inflight, pending} per candidate (other gateways' load only), or
+#    {reason, used, this minute's count, previous minute's count} when refused ('concurrency' | 'requests' |
+#    'tokens'); nothing is counted for a refused request.
 _ADMIT = """
 local p = ARGV[1]
 local loads = {}
@@ -349,20 +354,28 @@ local max_conc = tonumber(ARGV[8])
 if max_conc > 0 then
   local n = tonumber(ARGV[9])
   for _, k in ipairs(loads) do n = n + tonumber(redis.call('HGET', k, 't:' .. ARGV[5]) or '0') end
-  if n >= max_conc then return {'concurrency', n} end
+  if n >= max_conc then return {'concurrency', n, 0, 0} end
 end
 local used = redis.call('HMGET', KEYS[2], 'requests', 'tokens')
+local before = redis.call('HMGET', KEYS[4], 'requests', 'tokens')
 local reqs, toks = tonumber(used[1] or '0'), tonumber(used[2] or '0')
-if tonumber(ARGV[6]) > 0 and reqs >= tonumber(ARGV[6]) then return {'requests', reqs} end
-if tonumber(ARGV[7]) > 0 and toks >= tonumber(ARGV[7]) then return {'tokens', toks} end
+local prev_reqs, prev_toks = tonumber(before[1] or '0'), tonumber(before[2] or '0')
+local w = tonumber(ARGV[11])
+local est_reqs, est_toks = reqs + prev_reqs * w, toks + prev_toks * w
+if tonumber(ARGV[6]) > 0 and est_reqs + 1 > tonumber(ARGV[6]) then
+  return {'requests', math.floor(est_reqs), reqs, prev_reqs}
+end
+if tonumber(ARGV[7]) > 0 and est_toks >= tonumber(ARGV[7]) then
+  return {'tokens', math.floor(est_toks), toks, prev_toks}
+end
 redis.call('HINCRBY', KEYS[2], 'requests', 1)
 redis.call('EXPIRE', KEYS[2], ARGV[10])
 redis.call('SET', KEYS[3], ARGV[3])
-local nc, max_chunk = tonumber(ARGV[11]), tonumber(ARGV[12])
-local first_hash = 13 + nc
+local nc, max_chunk = tonumber(ARGV[12]), tonumber(ARGV[13])
+local first_hash = 14 + nc
 local matched, inflight, pending, fields = {}, {}, {}, {}
 for i = 1, nc do
-  local id = ARGV[12 + i]
+  local id = ARGV[13 + i]
   local set = p .. 'replica:' .. id .. ':blocks'
   local n, pos, done, chunk = 0, first_hash, false, 16
   while pos <= #ARGV and not done do
@@ -797,10 +810,30 @@ class AdmitResult:
     queued prompt tokens routed to it by *other* gateways."""
 
     refused: str | None
-    used: int = 0  # when refused: the count that hit the limit
+    used: int = 0  # when refused: the count that hit the limit (the sliding minute's estimate)
+    window: tuple[int, int] = (0, 0)  # when refused by a rate: (this minute's, the previous minute's) count
     matched_blocks: tuple[int, ...] = ()
     inflight: tuple[int, ...] = ()
     pending_tokens: tuple[int, ...] = ()
+
+
+def rate_retry_after(limit: int, window: tuple[int, int], now: float, need: int = 1) -> float:
+    """Seconds until the sliding-minute estimate leaves room for ``need`` more under ``limit``, if nothing
+    else is counted meanwhile.
+
+    The estimate (as in ``ADMIT``) is ``this minute + previous minute × (1 − elapsed fraction)``: the
+    previous minute fades out linearly. If it cannot fade enough within this minute, this minute's count
+    becomes the fading one after the boundary."""
+    size = keys.RATELIMIT_WINDOW_S
+    this, previous = window
+    into = now % size
+    room = limit - need  # the estimate must fall to this
+    if this <= room:
+        if previous <= 0 or this + previous * (1 - into / size) <= room:
+            return 0.0
+        return size * (1 - (room - this) / previous) - into  # < size - into because this <= room
+    faded = size * (1 - room / this) if this > 0 and room >= 0 else size
+    return size - into + faded
 
 
 @dataclass(frozen=True, slots=True)
@@ -820,21 +853,23 @@ USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_toke
 def op_admit(a: Admission, now: float | None) -> Op:
     now = time.time() if now is None else float(now)
     t = a.tenant
-    minute = int(now // keys.RATELIMIT_WINDOW_S)
+    minute, into = divmod(now, keys.RATELIMIT_WINDOW_S)
     keys.check_name(a.gateway_id, "gateway id")
     candidates = [keys.parse_replica_id(r) and r for r in a.candidates]
     reply = yield Eval(
         ADMIT,
-        [keys.gateways(), keys.ratelimit(t.name, minute), keys.model_activity(a.model)],
+        [keys.gateways(), keys.ratelimit(t.name, int(minute)), keys.model_activity(a.model),
+         keys.ratelimit(t.name, int(minute) - 1)],
         [keys.PREFIX, a.gateway_id, repr(now), keys.GATEWAY_LOAD_TTL_S, t.name, t.requests_per_minute or 0,
          t.tokens_per_minute or 0, t.max_concurrent or 0, int(a.local_tenant_inflight), keys.RATELIMIT_TTL_S,
-         len(candidates), MATCH_CHUNK, *candidates, *_check_hashes(a.block_hashes)],
+         repr(1.0 - into / keys.RATELIMIT_WINDOW_S), len(candidates), MATCH_CHUNK, *candidates,
+         *_check_hashes(a.block_hashes)],
     )  # fmt: skip
     status = _text(reply[0])
     if status != "ok":
-        return AdmitResult(refused=status, used=int(reply[1]))
+        return AdmitResult(refused=status, used=int(reply[1]), window=(int(reply[2]), int(reply[3])))
     matched, inflight, pending = (tuple(int(x) for x in part) for part in reply[1:4])
-    return AdmitResult(None, 0, matched, inflight, pending)
+    return AdmitResult(None, matched_blocks=matched, inflight=inflight, pending_tokens=pending)
 
 
 def op_report_gateway(
@@ -1092,6 +1127,19 @@ def _check_binary(client: Any) -> None:
         raise ValueError("the registry needs a Redis client with decode_responses=False (hashes are binary)")
 
 
+def reconnect_policy(sync: bool) -> dict[str, Any]:
+    """Client options: retry a command (pipelines and transactions included) twice, quickly, when its
+    connection turns out to be dead.
+
+    After Redis restarts, every pooled connection is stale; redis-py's default policy does not retry a
+    MULTI/EXEC on one, so the first transaction per connection would fail. Only ConnectionError is retried:
+    a dead connection means the command never reached a live server (a crash in the middle of one is the
+    rare exception, accepted). Timeouts are not retried: the command may have run (HINCRBY twice)."""
+    retry_cls = redis.retry.Retry if sync else redis.asyncio.retry.Retry
+    return {"retry": retry_cls(ExponentialBackoff(cap=0.25, base=0.01), 2),
+            "retry_on_error": [redis.exceptions.ConnectionError]}  # fmt: skip
+
+
 class Registry(_Registry):
     """Sync registry over ``redis.Redis`` (decode_responses must be False)."""
 
@@ -1101,7 +1149,8 @@ class Registry(_Registry):
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Registry:
-        return cls(redis.Redis.from_url(url, **kwargs))
+        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``."""
+        return cls(redis.Redis.from_url(url, **{**reconnect_policy(sync=True), **kwargs}))
 
     def _run(self, op: Op) -> Any:
         return _run_sync(self.client, op)
@@ -1119,7 +1168,8 @@ class AsyncRegistry(_Registry):
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AsyncRegistry:
-        return cls(redis.asyncio.Redis.from_url(url, **kwargs))
+        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``."""
+        return cls(redis.asyncio.Redis.from_url(url, **{**reconnect_policy(sync=False), **kwargs}))
 
     def _run(self, op: Op) -> Awaitable[Any]:
         return _run_async(self.client, op)

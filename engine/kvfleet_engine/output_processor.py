@@ -91,9 +91,7 @@ class OutputProcessor:
             self._apply(out, finished, to_stop)
         return finished, to_stop
 
-    def process_outputs_delta(
-        self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs_delta(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Streaming form: one RequestOutput per request that changed, holding only what is new
         (text, token ids and logprobs since the previous delta) for the sequences that changed;
         ``finished`` is set on a request's last delta. Also returns the sequence ids to stop."""

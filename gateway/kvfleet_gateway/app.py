@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 import httpx
-import redis.asyncio
+import redis.exceptions
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -75,11 +75,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = redis.asyncio.Redis.from_url(
-            config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
-            retry_on_timeout=False,
-        )  # fmt: skip
-        registry = AsyncRegistry(client)
+        registry = AsyncRegistry.from_url(
+            config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10
+        )
         calls = RedisCalls(registry, metrics)
         fleet = FleetView(calls, metrics, config.registry_refresh_s, config.registry_max_staleness_s)
         http = httpx.AsyncClient(
@@ -128,6 +126,15 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.state.config = config
     app.state.metrics = metrics
     install_error_handlers(app)
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def _redis_down(_: Request, exc: redis.exceptions.RedisError) -> JSONResponse:
+        # the admin API reads and writes Redis directly: while it is down that is a 503, not a bug
+        logger.warning("redis unavailable: %s", exc)
+        return ApiError(503, "the registry (Redis) is unavailable; retry shortly", code="registry_unavailable",
+                        headers={"Retry-After": "2"}).response()  # fmt: skip
+
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)

@@ -36,7 +36,7 @@ from kvfleet_common import redis_keys
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.http import ApiError
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
-from kvfleet_common.registry import Admission, AdmitResult, UsageRecord
+from kvfleet_common.registry import Admission, AdmitResult, UsageRecord, rate_retry_after
 from kvfleet_common.schemas import Heartbeat, TenantRecord
 from kvfleet_common.tracing import inject_headers
 from kvfleet_gateway.config import GatewayConfig
@@ -78,10 +78,6 @@ class Routed:
 def _salt(tenant: TenantRecord, client_salt: str | None) -> str:
     """The salt the engine hashes with: the tenant's own, extended (never replaced) by the client's."""
     return tenant.cache_salt + ("\x1f" + client_salt if client_salt else "")
-
-
-def _retry_after_minute(now: float) -> str:
-    return str(max(1, math.ceil(redis_keys.RATELIMIT_WINDOW_S - now % redis_keys.RATELIMIT_WINDOW_S)))
 
 
 def upstream_payload(body: CompletionRequest | ChatCompletionRequest, tenant: TenantRecord) -> bytes:
@@ -218,7 +214,7 @@ class Proxy:
             what = {"concurrency": ("concurrent requests", r.tenant.max_concurrent, "1"),
                     "requests": ("requests per minute", r.tenant.requests_per_minute, None),
                     "tokens": ("tokens per minute", r.tenant.tokens_per_minute, None)}[result.refused]  # fmt: skip
-            retry = what[2] or _retry_after_minute(time.time())
+            retry = what[2] or str(max(1, math.ceil(rate_retry_after(what[1], result.window, time.time()))))
             raise ApiError(429, f"rate limit reached for tenant {r.tenant.name!r}: {what[0]} limit {what[1]}",
                            code="rate_limit_exceeded", headers={"Retry-After": retry})  # fmt: skip
         return result

@@ -8,7 +8,7 @@ from test_redis_registry import reg as reg  # the fixture
 
 from kvfleet_common import redis_keys as keys
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import Admission, Registry, UsageRecord
+from kvfleet_common.registry import Admission, Registry, UsageRecord, rate_retry_after
 from kvfleet_common.schemas import TenantRecord
 
 NOW = 1_800_000_000.0  # the start of a rate-limit minute
@@ -23,12 +23,28 @@ def test_admit_counts_requests_and_refuses_over_the_minute_limit(reg):
     for _ in range(3):
         assert reg.admit(admission(t), now=NOW).refused is None
     refused = reg.admit(admission(t), now=NOW + 1)
-    assert (refused.refused, refused.used) == ("requests", 3)
-    assert reg.admit(admission(t), now=NOW + 60).refused is None  # the next minute starts fresh
-    assert reg.last_activity(MODEL) == NOW + 60
+    assert (refused.refused, refused.used, refused.window) == ("requests", 3, (3, 0))
     window = reg.client.hgetall(keys.ratelimit("acme", int(NOW // 60)))
     assert window == {b"requests": b"3"}  # the refused request was not counted
     assert 0 < reg.client.ttl(keys.ratelimit("acme", int(NOW // 60))) <= keys.RATELIMIT_TTL_S
+    # a sliding minute: crossing the boundary frees nothing at once (no 2x burst around it) ...
+    refused = reg.admit(admission(t), now=NOW + 60)
+    assert (refused.refused, refused.used, refused.window) == ("requests", 3, (0, 3))
+    # ... the previous minute fades out: room for one more once 3 x (1 - f) <= 2, at f = 1/3
+    wait = rate_retry_after(3, (3, 0), NOW + 1)
+    assert wait == 79.0
+    assert reg.admit(admission(t), now=NOW + 1 + wait - 1).refused == "requests"
+    assert reg.admit(admission(t), now=NOW + 1 + wait).refused is None
+    assert reg.last_activity(MODEL) == NOW + 1 + wait
+
+
+def test_retry_after_of_the_sliding_minute():
+    assert rate_retry_after(10, (3, 0), NOW + 30) == 0.0  # room now
+    # estimate 3 + 20 x (1 - f) must fall to 9: at f = 0.7, 12 s from now
+    assert abs(rate_retry_after(10, (3, 20), NOW + 30) - 12.0) < 1e-9
+    assert abs(rate_retry_after(10, (0, 30), NOW) - 42.0) < 1e-9
+    # this minute alone is over: wait for the boundary, then for 10 x (1 - f) to fall to 9 (f = 0.1)
+    assert abs(rate_retry_after(10, (10, 5), NOW + 30) - 36.0) < 1e-9
 
 
 def test_tokens_per_minute_are_charged_from_reported_usage(reg):
@@ -38,7 +54,12 @@ def test_tokens_per_minute_are_charged_from_reported_usage(reg):
     refused = reg.admit(admission(t), now=NOW + 2)
     assert (refused.refused, refused.used) == ("tokens", 100)
     usage = reg.tenant_usage(["acme"], now=NOW + 2)["acme"]
-    assert usage["total"] == {"requests": 1, "prompt_tokens": 60, "completion_tokens": 40, "cached_tokens": 16}
+    assert usage["total"] == {
+        "requests": 1,
+        "prompt_tokens": 60,
+        "completion_tokens": 40,
+        "cached_tokens": 16,
+    }
     assert usage["models"] == {MODEL: usage["total"]}
     assert usage["this_minute"] == {"requests": 1, "tokens": 100}
 

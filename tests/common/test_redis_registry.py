@@ -394,3 +394,27 @@ def test_async_registry_speaks_the_same_contract(redis_server, reg):
     assert [hb.replica_id for hb in live] == ["a#1"]
     assert key_id in reg.list_api_keys("acme") and tenant.name == "acme"
     assert names == [[MODEL]] * 3
+
+
+def test_registries_reconnect_after_a_redis_restart(redis_server):
+    """Every pooled connection is dead after a restart; a transaction on one must not fail (redis-py's
+    default policy does not retry MULTI/EXEC). Usage recording is a transaction."""
+    sync = Registry.from_url(redis_server.url)
+    usage = UsageRecord(tenant="acme", model=MODEL, prompt_tokens=3, completion_tokens=4)
+
+    async def run_async(reg: AsyncRegistry) -> None:
+        await asyncio.gather(*(reg.report_gateway("gw-a", {}, {}, [usage]) for _ in range(4)))  # pooled conns
+
+    async def scenario() -> dict:
+        reg = AsyncRegistry.from_url(redis_server.url)
+        await run_async(reg)
+        sync.report_gateway("gw-b", {}, {}, [usage])
+        redis_server.restart()
+        await run_async(reg)  # the first use of each stale connection
+        sync.report_gateway("gw-b", {}, {}, [usage])
+        out = await reg.tenant_usage(["acme"])
+        await reg.client.aclose()
+        return out
+
+    usage_after = asyncio.run(scenario())
+    assert usage_after["acme"]["total"]["requests"] == 5  # exactly once each after the restart

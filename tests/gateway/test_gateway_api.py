@@ -185,7 +185,7 @@ def test_requests_per_minute_limit(fleet):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=MODEL, prompt="a", max_tokens=1)
     assert e.value.body["code"] == "rate_limit_exceeded"
-    assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+    assert 1 <= int(e.value.response.headers["retry-after"]) <= 120  # a sliding minute: up to two
 
 
 def test_tokens_per_minute_are_charged_from_real_usage(fleet):

@@ -107,8 +107,12 @@ def test_a_stale_registry_is_not_used_forever(fleet):
         r = wait_until(lambda: (r := ask(g, key)).status_code == 503 and r, 20, 0.2, "the bound to pass")
         assert r.json()["error"]["code"] == "registry_unavailable" and r.headers["retry-after"]
         wait_until(lambda: httpx.get(f"{g.url}/ready").status_code == 503, 10, 0.2, "not ready")
+        r = g.admin("POST", "/admin/tenants", json={"name": "while-down"})  # the admin API needs Redis itself
+        assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
     finally:
         fleet.redis.start()
+        reg = fleet.registry()  # the next test needs the replicas registered again
+        wait_until(lambda: len(reg.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
 
 
 def test_a_replica_dying_mid_stream_and_between_requests(fleet):
@@ -118,6 +122,7 @@ def test_a_replica_dying_mid_stream_and_between_requests(fleet):
     events = []
     with httpx.stream("POST", f"{g.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                       json={"model": MODEL, "prompt": "doomed", "max_tokens": 480, "stream": True, "ignore_eos": True}) as s:  # fmt: skip
+        assert s.status_code == 200, s.read()
         victim = fleet.engine_for(s.headers["x-kvfleet-replica"])
         for line in s.iter_lines():
             if line.startswith("data: "):
