@@ -13,7 +13,6 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-import httpx
 import redis.exceptions
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +36,7 @@ from kvfleet_gateway.load import LoadTracker
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.proxy import Proxy
 from kvfleet_gateway.tokenization import TokenizerCache
+from kvfleet_gateway.upstream import Upstream
 from kvfleet_gateway.wake import Waker
 
 logger = logging.getLogger("kvfleet_gateway")
@@ -80,12 +80,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
         )
         calls = RedisCalls(registry, metrics)
         fleet = FleetView(calls, metrics, config.registry_refresh_s, config.registry_max_staleness_s)
-        http = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.upstream_read_timeout_s, connect=config.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.max_upstream_connections,
-                                max_keepalive_connections=config.max_upstream_connections),
-            trust_env=False,
-        )  # fmt: skip
+        http = Upstream(
+            config.upstream_connect_timeout_s, config.upstream_read_timeout_s, config.max_upstream_connections
+        )
         load = LoadTracker(config.gateway_id, calls, config.load_report_interval_s)
         tokenizers = TokenizerCache(lambda m, rev: calls("fetch_tokenizer", "background",
                                                          lambda: registry.fetch_tokenizer(m, rev)))  # fmt: skip

@@ -45,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to keep routing from the last known registry while Redis is unreachable",
     )
+    p.add_argument(
+        "--registry-refresh",
+        type=float,
+        default=0.5,
+        help="seconds between reads of the replica registry (heartbeats, model configs) from Redis",
+    )
+    p.add_argument(
+        "--recent-routes-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a prefix this gateway routed counts as cached on that replica before the KV index "
+        "confirms it (0: trust only the index)",
+    )
     p.add_argument("--log-level", default="info")
     return p  # fmt: skip
 
@@ -71,7 +84,8 @@ def main(argv: list[str]) -> int:
         config = GatewayConfig(
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
             max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
-            registry_max_staleness_s=args.registry_max_staleness, **kw,
+            registry_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
+            registry_refresh_s=args.registry_refresh, **kw,
         )  # fmt: skip
     except ValueError as e:
         print(f"kvfleet gateway: {e}")
@@ -80,7 +94,10 @@ def main(argv: list[str]) -> int:
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,ready,metrics")
+        # no span per ASGI send/receive: a stream would get one per relayed chunk (measurable CPU per request)
+        FastAPIInstrumentor.instrument_app(
+            app, excluded_urls="health,ready,metrics", exclude_spans=["send", "receive"]
+        )
     except ImportError:
         pass
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

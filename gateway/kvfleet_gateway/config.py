@@ -25,6 +25,7 @@ class GatewayConfig:
     registry_refresh_s: float = 0.5
     registry_max_staleness_s: float = 30.0  # serve from the last known registry this long while Redis is down
     tenant_cache_ttl_s: float = 2.0
+    recent_routes_ttl_s: float = 30.0  # trust "prefix routed there" this long before the KV index shows it
     load_report_interval_s: float = 0.05
     wake_timeout_s: float = 120.0
     upstream_connect_timeout_s: float = 5.0

@@ -43,7 +43,7 @@ class GatewayMetrics:
         self.fallbacks = Counter(
             "kvfleet_gateway_routing_fallbacks",
             "Requests routed without full information or retried elsewhere (reason: redis_unavailable, "
-            "no_tokenizer, retry_connect, retry_status)",
+            "no_tokenizer, retry_connect, retry_status, replica_asleep)",
             ["model", "reason"], registry=r,
         )  # fmt: skip
         self.predicted_cached = Counter(

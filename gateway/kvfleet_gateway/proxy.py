@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -43,14 +42,22 @@ from kvfleet_gateway.config import GatewayConfig
 from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable
 from kvfleet_gateway.load import LoadTracker, Ticket
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.recent_routes import RecentRoutes
 from kvfleet_gateway.routing import Candidate, Decision, choose
 from kvfleet_gateway.tokenization import TokenizerCache, prompt_token_ids
+from kvfleet_gateway.upstream import (
+    Upstream,
+    UpstreamConnectError,
+    UpstreamReadError,
+    UpstreamResponse,
+)
 from kvfleet_gateway.wake import Waker
 
 logger = logging.getLogger("kvfleet_gateway.requests")
 tracer = trace.get_tracer("kvfleet.gateway")
 
 MAX_ATTEMPTS = 3
+SLEEPING_HEADER = "x-kvfleet-replica-state"  # the engine's 503 while asleep (engine server SLEEPING_HEADERS)
 DOWN_AFTER_CONNECT_ERROR_S = redis_keys.HEARTBEAT_TTL_S + 1.0
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
@@ -65,6 +72,7 @@ class Routed:
     model: str
     started: float
     prompt_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
     decision: Decision | None = None
     replica: Candidate | None = None
     predicted_cached: int = 0
@@ -107,7 +115,7 @@ class Proxy:
         tokenizers: TokenizerCache,
         waker: Waker,
         metrics: GatewayMetrics,
-        client: httpx.AsyncClient,
+        client: Upstream,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -117,6 +125,7 @@ class Proxy:
         self.waker = waker
         self.metrics = metrics
         self.client = client
+        self.recent = RecentRoutes(config.recent_routes_ttl_s)
         self._counter = 0
 
     # ---- entry point ---------------------------------------------------------------------------------
@@ -226,24 +235,26 @@ class Proxy:
         policy = view.config.routing_policy if view and view.config else self.config.default_policy
         block_size = replicas[0].block_size
         max_hit = (r.prompt_tokens - 1) // block_size if r.prompt_tokens else 0
+        now = time.monotonic()
         candidates = []
         for i, hb in enumerate(replicas):
             inflight, queued = self.load.local_replica_load(hb.replica_id)
-            matched = 0
+            indexed = 0
             if admitted is not None:
-                matched = min(admitted.matched_blocks[i], max_hit) * block_size
+                indexed = min(admitted.matched_blocks[i], max_hit)
                 inflight += admitted.inflight[i]
                 queued += admitted.pending_tokens[i]
+            recent = min(self.recent.matched_blocks(hb.replica_id, r.block_hashes, now), max_hit)
             candidates.append(Candidate(
-                hb.replica_id, hb.base_url, matched, inflight, queued, hb.running, hb.waiting, hb.kv_usage,
-                hb.prefill_tokens_per_s, hb.decode_tokens_per_s,
+                hb.replica_id, hb.base_url, max(indexed, recent) * block_size, indexed * block_size, inflight,
+                queued, hb.running, hb.waiting, hb.kv_usage, hb.prefill_tokens_per_s, hb.decode_tokens_per_s,
             ))  # fmt: skip
         self._counter += 1
         return choose(policy, candidates, r.prompt_tokens or 0, self._counter)
 
     async def _route_and_send(self, r: Routed, body, raw: Request, span) -> Response:
         replicas = await self._awake_replicas(r)
-        hashes = await self._block_hashes(r, body, replicas)
+        hashes = r.block_hashes = await self._block_hashes(r, body, replicas)
         admitted = await self._admit(r, replicas, hashes)
         r.decision = self._decide(r, replicas, admitted, len(hashes))
         for reason in r.fallbacks:
@@ -277,15 +288,13 @@ class Proxy:
                 status_code=200, media_type="text/event-stream", headers=headers,
             )  # fmt: skip
         try:
-            content = await upstream.aread()
-        except httpx.HTTPError as e:
+            content = await upstream.read()
+        except UpstreamReadError as e:
             self._release(r, ticket, None)
             self.metrics.upstream_errors.labels(r.model, "midstream").inc()
-            raise ApiError(
-                503, f"the replica failed while answering: {type(e).__name__}", code="upstream_failed"
-            ) from None
+            raise ApiError(503, f"the replica failed while answering: {e}", code="upstream_failed") from None
         finally:
-            await upstream.aclose()
+            upstream.close()
         r.status = upstream.status_code
         if upstream.status_code == 200:
             try:
@@ -299,12 +308,18 @@ class Proxy:
 
     # ---- upstream ------------------------------------------------------------------------------------
 
-    async def _send(self, r: Routed, payload: bytes, raw: Request, span) -> httpx.Response:
-        """Send to the best candidate; on a connection failure or a 5xx, try the next (before any byte)."""
+    async def _send(
+        self, r: Routed, payload: bytes, raw: Request, span, may_wake: bool = True
+    ) -> UpstreamResponse:
+        """Send to the best candidate; on a connection failure or a 5xx, try the next (before any byte).
+
+        Replicas that answer "sleeping" (put to sleep since the snapshot) are marked so; if that left no
+        candidate, the model is woken (as for a request that found it asleep) and routed once more."""
         assert r.decision is not None
         headers = {"content-type": "application/json", "x-request-id": r.request_id}
         inject_headers(headers)
         last_error = "no candidate"
+        asleep = 0
         self.metrics.overhead.labels(r.model).observe(time.perf_counter() - r.started)
         for cand in r.decision.ranked[:MAX_ATTEMPTS]:
             if r.attempts and self.fleet.is_down(cand.replica_id):
@@ -312,23 +327,29 @@ class Proxy:
             r.attempts += 1
             r.replica = cand
             url = f"{cand.base_url.rstrip('/')}{'/v1/chat/completions' if r.endpoint == 'chat' else '/v1/completions'}"
-            req = self.client.build_request("POST", url, content=payload, headers=headers)
+            # remembered before the await: requests of the same group arriving meanwhile follow this one
+            self.recent.record(cand.replica_id, r.block_hashes, time.monotonic())
             try:
-                resp = await self.client.send(req, stream=True)
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.RemoteProtocolError,
-                httpx.ReadError,
-            ) as e:
+                resp = await self.client.post(url, payload, headers)
+            except UpstreamConnectError as e:
                 self.fleet.mark_down(cand.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+                self.recent.forget(cand.replica_id)
                 self.metrics.upstream_errors.labels(r.model, "connect").inc()
                 self.metrics.fallbacks.labels(r.model, "retry_connect").inc()
-                last_error = f"{cand.replica_id}: {type(e).__name__}"
+                last_error = f"{cand.replica_id}: {e}"
                 logger.warning("replica %s unreachable (%s); trying the next candidate", cand.replica_id, e)
                 continue
+            if resp.status_code == 503 and resp.headers.get(SLEEPING_HEADER) == "sleeping":
+                resp.close(abort=True)
+                self.fleet.mark_sleeping(r.model, cand.replica_id)
+                self.recent.forget(cand.replica_id)  # a sleeping engine dropped its KV cache
+                self.metrics.fallbacks.labels(r.model, "replica_asleep").inc()
+                asleep += 1
+                last_error = f"{cand.replica_id}: asleep"
+                continue
             if resp.status_code >= 500 and r.attempts < MAX_ATTEMPTS and cand is not r.decision.ranked[-1]:
-                await resp.aclose()
+                resp.close(abort=True)
+                self.recent.forget(cand.replica_id, r.block_hashes)
                 self.metrics.upstream_errors.labels(r.model, "status").inc()
                 self.metrics.fallbacks.labels(r.model, "retry_status").inc()
                 last_error = f"{cand.replica_id}: HTTP {resp.status_code}"
@@ -336,18 +357,21 @@ class Proxy:
             r.first_byte_at = time.perf_counter() - r.started  # time to the upstream's response head
             span.set_attributes({"kvfleet.replica": cand.replica_id, "kvfleet.attempts": r.attempts})
             return resp
+        if asleep and may_wake:
+            r.decision = self._decide(r, await self._awake_replicas(r), None, len(r.block_hashes))
+            return await self._send(r, payload, raw, span, may_wake=False)
         raise ApiError(503, f"no replica of {r.model!r} could take the request ({last_error}); retry shortly",
                        code="upstream_unavailable", headers={"Retry-After": "2"})  # fmt: skip
 
     async def _relay_stream(
-        self, r: Routed, upstream: httpx.Response, ticket: Ticket, client_wants_usage: bool, span
+        self, r: Routed, upstream: UpstreamResponse, ticket: Ticket, client_wants_usage: bool, span
     ) -> AsyncIterator[bytes]:
         """Pass SSE events through as they complete; meter usage; always end the stream properly."""
         buf = b""
         first = True
         r.status = 200
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.iter_chunks():
                 buf += chunk
                 if b"\n\n" not in buf:
                     continue
@@ -369,21 +393,19 @@ class Proxy:
                     yield b"".join(out)
             if buf.strip():
                 yield buf
-        except (httpx.HTTPError, asyncio.IncompleteReadError) as e:
+        except UpstreamReadError as e:
             r.status = 503
             self.metrics.upstream_errors.labels(r.model, "midstream").inc()
             logger.warning("replica %s failed mid-stream (%s)", r.replica.replica_id if r.replica else "?", e)
             if r.replica is not None:
                 self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
-            err = error_body(
-                503, f"the replica serving this stream failed: {type(e).__name__}", code="upstream_failed"
-            )
+            err = error_body(503, f"the replica serving this stream failed: {e}", code="upstream_failed")
             yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
         except asyncio.CancelledError:
             r.status = 499  # the client went away; closing the upstream aborts the engine's request
             raise
         finally:
-            await upstream.aclose()
+            upstream.close()  # drops the connection unless the body was read to the end (client gone)
             self._release(r, ticket, self._usage_record(r))
             span.set_attribute("http.response.status_code", r.status)
             self._finish(r)
@@ -395,7 +417,7 @@ class Proxy:
             self.metrics.inflight.labels(r.model).dec()
         self.load.release(ticket, usage)
 
-    def _response_headers(self, r: Routed, raw: Request, upstream: httpx.Response) -> dict[str, str]:
+    def _response_headers(self, r: Routed, raw: Request, upstream: UpstreamResponse) -> dict[str, str]:
         headers = {"x-request-id": r.request_id}
         if r.replica is not None:
             headers["x-kvfleet-replica"] = r.replica.replica_id

@@ -25,6 +25,19 @@ other gateways' load, its own in-flight counts) into ``Candidate`` objects and c
   ``DEFAULT_PREFILL_TOKENS_PER_S``.
 - A replica whose KV cache is nearly full is penalised: new work there will preempt running requests.
 
+The score adds one more term to the expected TTFT, **cache affinity**::
+
+    score(r) = ttft(r) + CACHE_AFFINITY * (best_matched - matched(r)) / prefill_rate
+
+Sending a request away from the replica that holds its prefix costs more than this request's
+recompute (already in ``ttft``): the prefix now occupies KV memory on two replicas, and the group's
+later requests split their hits between them. Counting the recompute a second time keeps a prompt group
+together until waiting for its replica costs more than twice the recompute, which is when spreading
+it pays. (Measured in ``bench/routing.py``: without it, a greedy per-request TTFT choice scattered
+groups during a burst.) Replicas under KV pressure do not attract by affinity (their cache is being
+evicted). ``matched`` is the larger of the KV index's match and the prefix this gateway
+routed there in the last seconds (``recent_routes``), so a burst sticks before the index catches up.
+
 ``least-load`` picks the fewest requests in flight (gateway counts, fresh) then the fewest the engine
 reports running + waiting; ``round-robin`` rotates through the candidates (per gateway).
 Scores within ``TIE_TOLERANCE_S`` / ``TIE_FRACTION`` of the best are ties, broken by fewer requests in
@@ -44,6 +57,7 @@ KV_PRESSURE_PENALTY_S = 1.0
 # replica that happened to measure 2 % faster would take every small request of an idle fleet.
 TIE_TOLERANCE_S = 0.005
 TIE_FRACTION = 0.05
+CACHE_AFFINITY = 1.0  # extra weight of a prefix recompute (see the module docstring)
 
 POLICIES = ("prefix-aware", "least-load", "round-robin")
 
@@ -54,7 +68,8 @@ class Candidate:
 
     replica_id: str
     base_url: str
-    matched_tokens: int = 0  # leading prompt tokens the replica caches (blocks x block size)
+    matched_tokens: int = 0  # leading prompt tokens the replica caches or will (blocks x block size)
+    indexed_tokens: int = 0  # of them, what the KV index confirms (the rest: routed there just now)
     inflight: int = 0  # requests in flight to it from every gateway
     queued_tokens: int = 0  # prompt tokens routed to it (every gateway) still waiting for a first token
     running: int = 0  # engine-reported, ~1 s old
@@ -81,7 +96,8 @@ class Decision:
         """Per candidate, in rank order: what the choice was based on (debug header, span attributes)."""
         return [
             {"replica": c.replica_id, "score": round(self.scores.get(c.replica_id, 0.0), 6),
-             "matched_tokens": c.matched_tokens, "inflight": c.inflight, "queued_tokens": c.queued_tokens,
+             "matched_tokens": c.matched_tokens, "indexed_tokens": c.indexed_tokens, "inflight": c.inflight,
+             "queued_tokens": c.queued_tokens,
              "running": c.running, "waiting": c.waiting}
             for c in self.ranked
         ]  # fmt: skip
@@ -125,6 +141,12 @@ def choose(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, cou
         prefill = _fallback_rate([c.prefill_tokens_per_s for c in order], DEFAULT_PREFILL_TOKENS_PER_S)
         decode = _fallback_rate([c.decode_tokens_per_s for c in order], DEFAULT_DECODE_TOKENS_PER_S)
         scores = {c.replica_id: expected_ttft(c, prompt_tokens, prefill, decode) for c in order}
+        # affinity only towards replicas that can keep the prefix: one under KV pressure is evicting
+        usable = [min(c.matched_tokens, prompt_tokens) for c in order if c.kv_usage < KV_PRESSURE_THRESHOLD]
+        best_matched = max(usable, default=0)
+        for c in order:
+            missing = max(0, best_matched - min(c.matched_tokens, prompt_tokens))
+            scores[c.replica_id] += CACHE_AFFINITY * missing / prefill
     ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: equal scores keep the rotation
     if policy == "prefix-aware":
         best = scores[ranked[0].replica_id]

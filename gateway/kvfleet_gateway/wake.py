@@ -13,37 +13,34 @@ import logging
 import time
 import uuid
 
-import httpx
-
 from kvfleet_common.http import ApiError
 from kvfleet_common.schemas import Heartbeat
 from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.upstream import Upstream, UpstreamConnectError, UpstreamReadError
 
 logger = logging.getLogger(__name__)
 
 
 async def call_replica(
-    client: httpx.AsyncClient, hb: Heartbeat, action: str, admin_token: str | None, level: int = 1
+    client: Upstream, hb: Heartbeat, action: str, admin_token: str | None, level: int = 1
 ) -> tuple[bool, str]:
     """POST the engine admin endpoint ``/sleep`` or ``/wake_up``; (ok, detail)."""
     path = "/sleep" if action == "sleep" else "/wake_up"
     params = {"level": level} if action == "sleep" else None
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     try:
-        resp = await client.post(
-            f"{hb.base_url.rstrip('/')}{path}", params=params, headers=headers, timeout=300
-        )
-    except httpx.HTTPError as e:
-        return False, f"{type(e).__name__}: {e}"
-    if resp.status_code != 200:
-        return False, f"HTTP {resp.status_code}: {resp.text[:200]}"
+        status, text = await client.call(f"{hb.base_url.rstrip('/')}{path}", params, headers, timeout_s=300)
+    except (UpstreamConnectError, UpstreamReadError) as e:
+        return False, str(e)
+    if status != 200:
+        return False, f"HTTP {status}: {text[:200]}"
     return True, "ok"
 
 
 class Waker:
     def __init__(
-        self, fleet: FleetView, redis_calls: RedisCalls, client: httpx.AsyncClient, metrics: GatewayMetrics,
+        self, fleet: FleetView, redis_calls: RedisCalls, client: Upstream, metrics: GatewayMetrics,
         admin_token: str | None, holder: str, timeout: float,
     ) -> None:  # fmt: skip
         self.fleet = fleet

@@ -324,6 +324,23 @@ def test_sleep_through_the_admin_api_and_wake_on_request(fleet, key):
     assert reg.last_activity(MODEL) is not None and time.time() - reg.last_activity(MODEL) < 60
 
 
+def test_replicas_put_to_sleep_behind_the_gateways_back_are_woken_not_failed(fleet, key):
+    """The engines sleep (an operator's idle scale-down, another gateway) while this gateway's snapshot
+    still says awake: their 503 says "sleeping", so the request wakes the model instead of failing."""
+    g = fleet.start_gateway("--registry-refresh", "60")  # its snapshot will not see the sleep
+    before = g.metric("kvfleet_gateway_routing_fallbacks_total", model=MODEL, reason="replica_asleep")
+    for e in fleet.engines:
+        r = httpx.post(f"{e.url}/sleep", params={"level": 1}, headers=e.admin_headers, timeout=60)
+        assert r.status_code == 200, r.text
+    reply = sdk(fleet, key, gateway=g).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "are you there"}], max_tokens=2
+    )
+    assert reply.usage.completion_tokens == 2
+    assert g.metric("kvfleet_gateway_routing_fallbacks_total", model=MODEL, reason="replica_asleep") >= before + 1
+    wait_until(lambda: fleet.gateway.metric("kvfleet_gateway_replicas", model=MODEL, state="awake") == 2, 20,
+               0.1, "the other gateway to see them awake")  # fmt: skip
+
+
 def test_one_redis_round_trip_per_request(fleet, key):
     g = fleet.gateway
     before = g.metric("kvfleet_gateway_redis_round_trips_total", path="request")

@@ -86,7 +86,7 @@ def test_redis_restart(fleet, second):
 
     def predicted_hit():
         r = ask(g, key, LONG + " again")
-        return json.loads(r.headers["x-kvfleet-route"])["candidates"][0]["matched_tokens"] > 0 and r
+        return json.loads(r.headers["x-kvfleet-route"])["candidates"][0]["indexed_tokens"] > 0 and r
 
     r2 = wait_until(predicted_hit, 10, 0.1, "the replica's KV events to reach the new Redis")
     route = json.loads(r2.headers["x-kvfleet-route"])
@@ -113,6 +113,9 @@ def test_a_stale_registry_is_not_used_forever(fleet):
         fleet.redis.start()
         reg = fleet.registry()  # the next test needs the replicas registered again
         wait_until(lambda: len(reg.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
+        for other in fleet.gateways:
+            wait_until(lambda o=other: o.metric("kvfleet_gateway_replicas", model=MODEL, state="awake") == 2, 10,
+                       0.1, "the gateways to see them")  # fmt: skip
 
 
 def test_a_replica_dying_mid_stream_and_between_requests(fleet):

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from kvfleet_gateway.recent_routes import RecentRoutes
 from kvfleet_gateway.routing import Candidate, choose, expected_ttft
 
 
@@ -21,18 +22,21 @@ def test_prefix_aware_prefers_the_replica_holding_the_prefix():
     assert d.chosen.replica_id == "b#1"
     assert [c.replica_id for c in d.ranked] == ["b#1", "c#1", "a#1"]
     assert d.scores["b#1"] == pytest.approx(200 / 1000)
-    assert d.explain()[0] == {"replica": "b#1", "score": 0.2, "matched_tokens": 2000, "inflight": 0,
-                              "queued_tokens": 0, "running": 0, "waiting": 0}  # fmt: skip
+    assert d.explain()[0] == {"replica": "b#1", "score": 0.2, "matched_tokens": 2000, "indexed_tokens": 0,
+                              "inflight": 0, "queued_tokens": 0, "running": 0, "waiting": 0}  # fmt: skip
+    # the others pay their own recompute twice: once as latency, once as cache affinity
+    assert d.scores["a#1"] == pytest.approx(2200 / 1000 + 2000 / 1000)
+    assert d.scores["c#1"] == pytest.approx(1700 / 1000 + 1500 / 1000)
 
 
-def test_a_hot_prefix_spreads_once_waiting_costs_more_than_recomputing():
-    # b holds the prefix but has 2,500 prompt tokens queued: recomputing 2,200 on idle a is faster
-    hot = cand("b#1", matched_tokens=2000, queued_tokens=2500, inflight=10)
-    d = choose("prefix-aware", [cand("a#1"), hot], prompt_tokens=2200, counter=0)
-    assert d.chosen.replica_id == "a#1"
-    # with a shorter queue the prefix still wins
-    warm = cand("b#1", matched_tokens=2000, queued_tokens=600, inflight=3)
+def test_a_hot_prefix_spreads_once_waiting_costs_more_than_twice_the_recompute():
+    # b holds 2,000 of 2,200 tokens; on idle a the request would take 2.2 s, and the prefix would live
+    # twice. b with 2,500 tokens queued (2.8 s) is slower for this request but keeps the group together.
+    warm = cand("b#1", matched_tokens=2000, queued_tokens=2500, inflight=10)
     assert choose("prefix-aware", [cand("a#1"), warm], 2200, 0).chosen.replica_id == "b#1"
+    # once its queue costs more than recomputing twice (4.2 s), the prefix spreads
+    hot = cand("b#1", matched_tokens=2000, queued_tokens=4500, inflight=10)
+    assert choose("prefix-aware", [cand("a#1"), hot], 2200, 0).chosen.replica_id == "a#1"
 
 
 def test_simulated_burst_of_one_hot_prefix_uses_several_replicas():
@@ -98,8 +102,9 @@ def test_bad_input():
 
 
 def test_near_equal_predictions_are_ties_so_an_idle_fleet_spreads_small_requests():
-    # b caches 16 of 40 tokens: a few milliseconds, not a reason to send it every small request
-    cs = [cand("a#1"), cand("b#1", matched_tokens=3)]
+    # b's advantage is a few milliseconds (2 tokens of prefill, counted twice): noise, not a reason to send
+    # it every small request
+    cs = [cand("a#1"), cand("b#1", matched_tokens=2)]
     picks = Counter(choose("prefix-aware", cs, 40, i).chosen.replica_id for i in range(10))
     assert picks == {"a#1": 5, "b#1": 5}
     # a real difference is not a tie
@@ -137,3 +142,65 @@ def test_upstream_payload_carries_the_tenants_priority_and_salt():
     assert "cache_salt" not in json.loads(
         upstream_payload(req.model_copy(update={"cache_salt": None}), shared)
     )
+
+
+def test_kv_pressure_cancels_affinity():
+    # a holds the prefix but its cache is full: new work there preempts; it gets no affinity bonus
+    full = cand("a#1", matched_tokens=500, kv_usage=0.99)
+    d = choose("prefix-aware", [full, cand("b#1")], 1100, 0)
+    assert d.scores["b#1"] == pytest.approx(1100 / 1000)  # no missing-prefix charge towards a
+    assert d.chosen.replica_id == "b#1"
+
+
+def _route_burst(recent: RecentRoutes | None, groups: int, per_group: int) -> dict[int, Counter]:
+    """Interleaved arrivals of prompt groups (1,024 shared tokens + 64 own) on 4 idle replicas whose KV
+    index has not caught up yet (it shows nothing), updating queues as a gateway would."""
+    replicas = {r: cand(r) for r in ("a#1", "b#1", "c#1", "d#1")}
+    where: dict[int, Counter] = {g: Counter() for g in range(groups)}
+    for i in range(groups * per_group):
+        g = i % groups
+        hashes = [f"g{g}-{b}".encode() for b in range(64)]  # 64 blocks of 16 = 1,024 shared tokens
+        for c in replicas.values():
+            c.matched_tokens = (
+                16 * recent.matched_blocks(c.replica_id, hashes, now=i * 0.01) if recent is not None else 0
+            )
+        d = choose("prefix-aware", list(replicas.values()), 1088, i)
+        c = d.chosen
+        c.queued_tokens += 1088 - c.matched_tokens
+        c.inflight += 1
+        if recent is not None:
+            recent.record(c.replica_id, hashes, now=i * 0.01)
+        where[g][c.replica_id] += 1
+    return where
+
+
+def test_a_burst_of_new_prompt_groups_sticks_before_the_index_knows():
+    """The KV index lags an engine step; without a memory of its own routes, the gateway scatters every
+    group of a burst over the fleet (each replica recomputes each prefix). With it, each group stays on
+    one replica, and the groups spread over the fleet."""
+    scattered = _route_burst(None, groups=3, per_group=8)
+    assert all(len(replicas) >= 3 for replicas in scattered.values()), scattered
+    sticky = _route_burst(RecentRoutes(ttl_s=30), groups=3, per_group=8)
+    assert all(len(replicas) == 1 for replicas in sticky.values()), sticky
+    assert len({next(iter(r)) for r in sticky.values()}) == 3  # each group on its own replica
+
+
+def test_recent_routes_match_expire_forget_and_stay_bounded():
+    r = RecentRoutes(ttl_s=10, max_hashes=5)
+    h = [bytes([i]) for i in range(4)]
+    r.record("a#1", h[:3], now=0)
+    r.record("b#1", h[:1], now=5)
+    assert r.matched_blocks("a#1", h, now=1) == 3  # leading blocks only, up to the first unknown
+    assert r.matched_blocks("b#1", h, now=1) == 1
+    assert r.matched_blocks("a#1", h, now=10) == 0  # expired (10 s after it was routed)
+    assert r.matched_blocks("b#1", h, now=10) == 1
+    r.forget("b#1", h[:1])
+    assert r.matched_blocks("b#1", h, now=10) == 0
+    r.record("a#1", [bytes([i]) for i in range(10, 20)], now=11)
+    assert len(r) == 5  # bounded: the least recently routed are forgotten first
+    assert r.matched_blocks("a#1", [bytes([i]) for i in range(15, 20)], now=11) == 5
+    r.forget("a#1")
+    assert len(r) == 0
+    off = RecentRoutes(ttl_s=0)
+    off.record("a#1", h, now=0)
+    assert off.matched_blocks("a#1", h, now=0) == 0

@@ -51,6 +51,8 @@ logger = logging.getLogger("kvfleet_engine.server")
 tracer = trace.get_tracer("kvfleet.engine")
 
 RETRY_AFTER_S = "5"
+# a 503 from a sleeping replica says so in a header, so a gateway can wake the model instead of failing
+SLEEPING_HEADERS = {"Retry-After": RETRY_AFTER_S, "x-kvfleet-replica-state": "sleeping"}
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ class OpenAIServing:
         if self.engine.sleep_level:
             raise ApiError(
                 503, "the model is sleeping; wake it up or retry later", code="model_sleeping",
-                headers={"Retry-After": RETRY_AFTER_S},
+                headers=SLEEPING_HEADERS,
             )  # fmt: skip
 
     def check_alive_for_admin(self) -> None:
@@ -280,7 +282,7 @@ class OpenAIServing:
         if isinstance(exc, ApiError):
             return exc
         if isinstance(exc, EngineSleepingError | RequestAbortedError):
-            return ApiError(503, str(exc), code="model_sleeping", headers={"Retry-After": RETRY_AFTER_S})
+            return ApiError(503, str(exc), code="model_sleeping", headers=SLEEPING_HEADERS)
         if isinstance(exc, EngineDeadError):
             return ApiError(503, f"the engine is not available: {exc}", code="engine_dead")
         if isinstance(exc, ValueError):
