@@ -38,6 +38,11 @@ groups during a burst.) Replicas under KV pressure do not attract by affinity (t
 evicted). ``matched`` is the larger of the KV index's match and the prefix this gateway
 routed there in the last seconds (``recent_routes``), so a burst sticks before the index catches up.
 
+Last, **bounded load** (``bounded_load``): a replica with more than ``BOUNDED_LOAD_FACTOR`` x the mean
+requests in flight does not take the request, whatever its cache holds; the best-ranked one under the
+bound does. Affinity is right for many prompt groups and wrong for one hot prefix: there the TTFT rule
+stops spreading as soon as two replicas keep up, and the others idle.
+
 ``least-load`` picks the fewest requests in flight (gateway counts, fresh) then the fewest the engine
 reports running + waiting; ``round-robin`` rotates through the candidates (per gateway).
 Scores within ``TIE_TOLERANCE_S`` / ``TIE_FRACTION`` of the best are ties, broken by fewer requests in
@@ -46,6 +51,7 @@ flight and then by a per-request rotation, so equal replicas share work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,6 +64,8 @@ KV_PRESSURE_PENALTY_S = 1.0
 TIE_TOLERANCE_S = 0.005
 TIE_FRACTION = 0.05
 CACHE_AFFINITY = 1.0  # extra weight of a prefix recompute (see the module docstring)
+BOUNDED_LOAD_FACTOR = 1.25  # no replica takes a request above this x the mean in flight (``bounded_load``)
+BOUNDED_LOAD_MIN = 4  # ... unless it has fewer than this: a quiet fleet keeps groups together
 
 POLICIES = ("prefix-aware", "least-load", "round-robin")
 
@@ -156,4 +164,27 @@ def choose(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, cou
             position = {c.replica_id: i for i, c in enumerate(order)}
             tied.sort(key=lambda c: (c.inflight, position[c.replica_id]))
             ranked = tied + ranked[len(tied) :]
+        ranked = bounded_load(ranked)
     return Decision(policy, ranked, scores, prompt_tokens)
+
+
+def load_bound(candidates: Sequence[Candidate]) -> int:
+    """The most requests in flight a replica may have and still take one more (see ``bounded_load``)."""
+    total = sum(c.inflight for c in candidates)
+    return max(BOUNDED_LOAD_MIN, math.ceil(BOUNDED_LOAD_FACTOR * (total + 1) / len(candidates)))
+
+
+def bounded_load(ranked: list[Candidate]) -> list[Candidate]:
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018), applied to the
+    ranking: the best-ranked replica that would stay within ``BOUNDED_LOAD_FACTOR`` x the mean requests
+    in flight goes first.
+
+    Cache affinity and the prefix memory keep a prompt group on its replica, which is right for many
+    groups and wrong for one hot prefix: there the per-request TTFT rule stops spreading as soon as two
+    replicas keep up, and the others idle. The bound caps any replica's share of the traffic whatever
+    its cache holds; a request over it pays a recompute elsewhere, which seeds the hot prefix there."""
+    bound = load_bound(ranked)
+    for i, c in enumerate(ranked):
+        if c.inflight + 1 <= bound:
+            return ranked if i == 0 else [c, *ranked[:i], *ranked[i + 1 :]]
+    return ranked

@@ -336,7 +336,10 @@ def test_replicas_put_to_sleep_behind_the_gateways_back_are_woken_not_failed(fle
         model=MODEL, messages=[{"role": "user", "content": "are you there"}], max_tokens=2
     )
     assert reply.usage.completion_tokens == 2
-    assert g.metric("kvfleet_gateway_routing_fallbacks_total", model=MODEL, reason="replica_asleep") >= before + 1
+    assert (
+        g.metric("kvfleet_gateway_routing_fallbacks_total", model=MODEL, reason="replica_asleep")
+        >= before + 1
+    )
     wait_until(lambda: fleet.gateway.metric("kvfleet_gateway_replicas", model=MODEL, state="awake") == 2, 20,
                0.1, "the other gateway to see them awake")  # fmt: skip
 
