@@ -332,8 +332,11 @@ class Proxy:
             try:
                 resp = await self.client.post(url, payload, headers)
             except UpstreamConnectError as e:
-                self.fleet.mark_down(cand.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
-                self.recent.forget(cand.replica_id)
+                if e.refused:  # nothing listens there: avoid it until its heartbeat would have expired
+                    self.fleet.mark_down(cand.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+                    self.recent.forget(cand.replica_id)
+                else:
+                    self.recent.forget(cand.replica_id, r.block_hashes)
                 self.metrics.upstream_errors.labels(r.model, "connect").inc()
                 self.metrics.fallbacks.labels(r.model, "retry_connect").inc()
                 last_error = f"{cand.replica_id}: {e}"

@@ -40,7 +40,9 @@ def prompt_token_ids(tokenizer: Any, request: CompletionRequest | ChatCompletion
     it anyway (e.g. a chat template error: the engine answers the 400, the gateway just routes)."""
     if isinstance(request, CompletionRequest):
         prompt = request.prompts()[0]
-        return tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        return (
+            _encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        )
     try:
         text = tokenizer.apply_chat_template(
             request.template_messages(), tokenize=False,
@@ -49,7 +51,17 @@ def prompt_token_ids(tokenizer: Any, request: CompletionRequest | ChatCompletion
         )  # fmt: skip
     except Exception:  # jinja errors: the engine reports them as a 400 with its own message
         return None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _encode(tokenizer, text, add_special_tokens=False)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode`` through the Rust ``tokenizers`` object when there is one: the same ids (the
+    wrapper calls it with the same flag), without the wrapper's per-call Python (BatchEncoding, tensor
+    conversion), which was ~8 % of the gateway's CPU per request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class TokenizerCache:

@@ -20,7 +20,14 @@ import aiohttp
 
 
 class UpstreamConnectError(Exception):
-    """The request did not get a response head from the replica (retry-safe before any byte)."""
+    """The request did not get a response head from the replica (retry-safe before any byte).
+
+    ``refused``: no connection could be made (the replica is down or not listening); otherwise a
+    connection broke before the head arrived (the replica may be fine)."""
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class UpstreamReadError(Exception):
@@ -31,6 +38,11 @@ _CONNECT_ERRORS = (
     aiohttp.ClientConnectionError,  # refused, reset, DNS, server disconnected before the head
     asyncio.TimeoutError,  # connect timeout (and read timeout before the head)
 )
+# A pooled keep-alive connection the server closed while idle fails on reuse (reset, or "server
+# disconnected"): that says nothing about the replica, so the request is sent again on another
+# connection. Idle connections are dropped before uvicorn's 5 s keep-alive would close them.
+STALE_RETRIES = 2
+KEEPALIVE_S = 4.0
 _READ_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -73,7 +85,9 @@ class Upstream:
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(
+                limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S
+            ),
             timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s),
             auto_decompress=False,  # relayed as the engine sent it
             trust_env=False,
@@ -82,11 +96,17 @@ class Upstream:
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Send; return once the response head arrived. Raises ``UpstreamConnectError``."""
-        try:
-            resp = await self._session.post(url, data=body, headers=headers)
-        except _CONNECT_ERRORS as e:
-            raise UpstreamConnectError(f"{type(e).__name__}: {e}") from e
-        return UpstreamResponse(resp)
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                resp = await self._session.post(url, data=body, headers=headers)
+            except aiohttp.ClientConnectorError as e:  # could not connect at all
+                raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=True) from e
+            except _CONNECT_ERRORS as e:
+                if attempt < STALE_RETRIES and not isinstance(e, asyncio.TimeoutError):
+                    continue
+                raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=False) from e
+            return UpstreamResponse(resp)
+        raise AssertionError("unreachable")
 
     async def call(
         self, url: str, params: Mapping[str, Any] | None, headers: Mapping[str, str], timeout_s: float
@@ -100,7 +120,8 @@ class Upstream:
                 except _READ_ERRORS as e:
                     raise UpstreamReadError(f"{type(e).__name__}: {e}") from e
         except _CONNECT_ERRORS as e:
-            raise UpstreamConnectError(f"{type(e).__name__}: {e}") from e
+            refused = isinstance(e, aiohttp.ClientConnectorError)
+            raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=refused) from e
 
     async def aclose(self) -> None:
         await self._session.close()
