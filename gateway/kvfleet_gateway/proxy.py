@@ -320,7 +320,8 @@ class Proxy:
         inject_headers(headers)
         last_error = "no candidate"
         asleep = 0
-        self.metrics.overhead.labels(r.model).observe(time.perf_counter() - r.started)
+        if may_wake:  # once per request (not again after a wake)
+            self.metrics.overhead.labels(r.model).observe(time.perf_counter() - r.started)
         for cand in r.decision.ranked[:MAX_ATTEMPTS]:
             if r.attempts and self.fleet.is_down(cand.replica_id):
                 continue
