@@ -15,6 +15,7 @@ Metrics: Prometheus text scraped from ``/metrics`` (gateway and engines) and Red
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import re
@@ -108,6 +109,17 @@ class RedisProcess:
                 self.proc.wait()
         self.proc = None
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def parse_env(p: argparse.ArgumentParser, items: Sequence[str], flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` arguments as a dict (a parser error otherwise)."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"{flag} expects KEY=VALUE, not {item!r}")
+        env[key] = value
+    return env
 
 
 def command_stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

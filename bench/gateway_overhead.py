@@ -97,13 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("concurrency", "requests_per_client", "rounds", "output_len", "prompt_words"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
-    env = {}
-    for item in args.gateway_env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--gateway-env expects KEY=VALUE, not {item!r}")
-        env[key] = value
-    args.gateway_env = env
+    args.gateway_env = fleet_mod.parse_env(p, args.gateway_env, "--gateway-env")
     return args
 
 

@@ -169,13 +169,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     if not 0 < args.utilisation <= 2 or args.max_rate <= 0:
         p.error("--utilisation must be in (0, 2] and --max-rate > 0")
-    env = {}
-    for item in args.gateway_env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--gateway-env expects KEY=VALUE, not {item!r}")
-        env[key] = value
-    args.gateway_env = env
+    args.gateway_env = fleet_mod.parse_env(p, args.gateway_env, "--gateway-env")
     return args
 
 

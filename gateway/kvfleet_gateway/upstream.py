@@ -96,17 +96,16 @@ class Upstream:
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Send; return once the response head arrived. Raises ``UpstreamConnectError``."""
-        for attempt in range(STALE_RETRIES + 1):
+        attempt = 0
+        while True:
             try:
-                resp = await self._session.post(url, data=body, headers=headers)
+                return UpstreamResponse(await self._session.post(url, data=body, headers=headers))
             except aiohttp.ClientConnectorError as e:  # could not connect at all
                 raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=True) from e
             except _CONNECT_ERRORS as e:
-                if attempt < STALE_RETRIES and not isinstance(e, asyncio.TimeoutError):
-                    continue
-                raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=False) from e
-            return UpstreamResponse(resp)
-        raise AssertionError("unreachable")
+                attempt += 1
+                if attempt > STALE_RETRIES or isinstance(e, asyncio.TimeoutError):
+                    raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=False) from e
 
     async def call(
         self, url: str, params: Mapping[str, Any] | None, headers: Mapping[str, str], timeout_s: float
