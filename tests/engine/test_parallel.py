@@ -157,8 +157,9 @@ def test_sleep_and_wake_on_every_rank(parallel, reference):
     if core.config.tensor_parallel_size * core.config.pipeline_parallel_size < 4:
         pytest.skip("exercised on the TP x PP configuration (every rank kind at once)")
     full = core.executor.memory_report()
+    assert full["weight_packs"] > 0  # every rank packs its own shard (CPU, float32)
     core.sleep(2)
-    assert core.executor.memory_report() == {"weights": 0, "kv_cache": 0}
+    assert core.executor.memory_report() == {"weights": 0, "kv_cache": 0, "weight_packs": 0}
     core.wake_up()
     assert core.executor.memory_report() == full
     assert _tokens(llm, _prompts()) == reference(arch)

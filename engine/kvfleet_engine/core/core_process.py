@@ -274,7 +274,8 @@ class EngineCoreProc:
             prefill_tokens_per_s=self.engine.rates.prefill_tokens_per_s,
             decode_tokens_per_s=self.engine.rates.decode_tokens_per_s,
             sleep_level=self.engine.sleep_level,
-            weights_bytes=self._memory.get("weights", 0),
+            # On CPU the oneDNN weight packs are weight memory too.
+            weights_bytes=self._memory.get("weights", 0) + self._memory.get("weight_packs", 0),
             kv_cache_bytes=self._memory.get("kv_cache", 0),
         )
 

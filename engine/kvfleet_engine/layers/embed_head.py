@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_engine.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from kvfleet_engine.layers.prepack import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,8 +39,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states, gathered over the vocabulary shards (float32)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        # oneDNN's blocked copy of ``weight`` on CPU (see layers/prepack.py); None = plain F.linear.
+        self.packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -9,10 +9,10 @@ layers (q/k/v, gate/up) take their parts by ``shard_id``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from kvfleet_engine.layers.prepack import linear
 from kvfleet_engine.models.loader import full_tensor
 
 
@@ -31,9 +31,11 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # oneDNN's blocked copy of ``weight`` on CPU (see layers/prepack.py); None = plain F.linear.
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(full_tensor(loaded))
@@ -113,4 +115,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(F.linear(x, self.weight, bias))
+        return tp_all_reduce(linear(x, self.weight, bias, self.packed_weight))

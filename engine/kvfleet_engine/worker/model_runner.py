@@ -14,6 +14,7 @@ from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvfleet_engine.distributed import StageLink, get_parallel_state
 from kvfleet_engine.forward_context import AttentionMetadata, set_attn_metadata
+from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.sampler import Sampler
 from kvfleet_engine.models.loader import load_weights
@@ -87,10 +88,22 @@ class ModelRunner:
             torch.set_default_dtype(prev_dtype)
         load_weights(model, cfg.model.path, use_tqdm=use_tqdm)
         model.eval()
+        packed = self.prepack_weights(model)
         logger.info(
-            "loaded %s (%s) in %.2fs", cfg.model.path, cfg.model.architecture, time.perf_counter() - t0
+            "loaded %s (%s) in %.2fs%s",
+            cfg.model.path,
+            cfg.model.architecture,
+            time.perf_counter() - t0,
+            f", {packed} matmul weights prepacked for oneDNN" if packed else "",
         )
         return model
+
+    def prepack_weights(self, model: torch.nn.Module | None = None) -> int:
+        """(Re)build the CPU matmul packs from the current weights (see layers/prepack.py)."""
+        model = self.model if model is None else model
+        if not prepack.prepack_supported(self.device, self.config.dtype):
+            return 0
+        return prepack.prepack(model)
 
     # ---- KV cache ------------------------------------------------------------------------------
 

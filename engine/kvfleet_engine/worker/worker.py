@@ -8,8 +8,10 @@ import torch
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.rotary import RotaryEmbedding
 from kvfleet_engine.models.loader import load_weights
+from kvfleet_engine.worker.host_allocator import tune_host_allocator
 from kvfleet_engine.worker.model_runner import ModelRunner
 
 # Default KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
@@ -30,7 +32,9 @@ class Worker:
 
     def __init__(self, config: EngineConfig, use_tqdm: bool = True) -> None:
         self.config = config
-        if config.device != "cpu":
+        if config.device == "cpu":
+            tune_host_allocator()
+        else:
             torch.cuda.set_device(torch.device(config.device))
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, use_tqdm=use_tqdm)
@@ -103,6 +107,7 @@ class Worker:
                 self._host_weights[key] = host
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         elif level == 2:
+            prepack.drop_packs(self.runner.model)
             for key, _, _, t in self._named_tensors():
                 self._discarded[key] = (t.shape, t.dtype)
                 # Buffers (rotary tables) are not in the checkpoint: keep a host copy of those.
@@ -141,6 +146,7 @@ class Worker:
         self._discarded.clear()
         if reload:
             load_weights(self.runner.model, self.config.model.path, use_tqdm=self.use_tqdm)
+            self.runner.prepack_weights()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -153,7 +159,8 @@ class Worker:
         """Bytes of storage this worker holds on its device for weights and KV cache.
 
         Storages are counted once (tied weights, views). On CUDA ``torch_allocated`` adds what the
-        caching allocator has handed out in total.
+        caching allocator has handed out in total; on CPU ``weight_packs`` the oneDNN copies of the
+        matmul weights (layers/prepack.py).
         """
         device = self.runner.device
 
@@ -176,4 +183,6 @@ class Worker:
         }
         if device.type == "cuda":
             report["torch_allocated"] = int(torch.cuda.memory_allocated(device))
+        else:
+            report["weight_packs"] = prepack.packed_bytes(self.runner.model)
         return report
