@@ -121,3 +121,16 @@ def test_prefix_cache_smoke(tmp_path: Path, model_cache: Path) -> None:
         assert 0.0 <= sc["on"]["hit_rate"] <= 1.0
     assert isinstance(data["targets"]["speedup_met"], bool)
     assert isinstance(data["targets"]["slowdown_met"], bool)
+
+
+def test_kv_eviction_bench_prefers_reused_prefixes(tmp_path: Path) -> None:
+    mod = _load("kv_eviction")
+    out = tmp_path / "kv_eviction.json"
+    # 5 prompts of 4 blocks in a 24-block cache: plain LRU loses prompts to the private blocks of
+    # finished requests; the segmented LRU keeps them (the property the bench measures).
+    result = mod.main(["--blocks", "24", "--block-size", "4", "--prefix", "16", "--private", "12",
+                       "--requests", "300", "--concurrency", "1", "--groups", "5", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert result["never_worse"]
+    uniform = next(r for r in result["rows"] if r["scenario"] == "uniform")
+    assert uniform["segmented-lru"] > uniform["lru"]

@@ -40,7 +40,7 @@ def admit(kv: KVCacheManager, req: Request) -> int:
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_queue]
+    return [b.block_id for b in pool.free_blocks_in_eviction_order()]
 
 
 def pool_state(kv: KVCacheManager):
@@ -239,6 +239,59 @@ def test_lazy_eviction_keeps_freed_blocks_hittable_until_reused():
     assert b1.block_hash is None
     assert a.block_hashes[1] not in pool.cached_blocks
     assert kv.get_computed_blocks(probe) == ([b0], BS)
+
+
+def _cached_blocks(pool: BlockPool, n: int, salt: int) -> list[KVCacheBlock]:
+    blocks = pool.get_new_blocks(n)
+    pool.cache_full_blocks(blocks, [bytes([salt, i]) * 16 for i in range(n)])
+    return blocks
+
+
+def test_a_reused_prefix_outlives_private_blocks_freed_after_it():
+    """Segmented LRU: blocks a prefix hit found are evicted only after every never-reused free block."""
+    pool = BlockPool(11, enable_caching=True)  # 10 usable, up to 8 protected
+    prefix = _cached_blocks(pool, 3, salt=1)
+    pool.touch(prefix)  # a second request hit the prefix
+    pool.free_blocks(reversed(prefix))
+    pool.free_blocks(reversed(prefix))
+    assert all(b.ref_cnt == 0 and b.protected for b in prefix)
+    private = _cached_blocks(pool, 7, salt=2)  # cached but never hit: a request's own question/answer
+    pool.free_blocks(reversed(private))
+    # Plain LRU would hand out the prefix first (freed first); here it goes last, its tail first.
+    assert free_ids(pool) == [b.block_id for b in [*reversed(private), *reversed(prefix)]]
+    again = pool.get_new_blocks(7)
+    assert {b.block_id for b in again} == {b.block_id for b in private}
+    assert all(pool.get_cached_block(bytes([1, i]) * 16) is prefix[i] for i in range(3))
+    assert pool.get_new_blocks(1) == [prefix[2]]
+    assert pool.get_cached_block(bytes([1, 2]) * 16) is None and not prefix[2].reused
+
+
+def test_protected_blocks_are_capped_and_the_oldest_is_demoted():
+    pool = BlockPool(6, enable_caching=True)  # 5 usable, at most 4 protected
+    assert pool.max_protected == 4
+    blocks = _cached_blocks(pool, 5, salt=3)
+    pool.touch(blocks)
+    pool.free_blocks(blocks)  # still held once
+    pool.free_blocks(blocks)  # freed in order 1..5: protected, the 5th pushes block 1 out
+    assert pool.protected.num_free == 4 and pool.probation.num_free == 1
+    assert [b.block_id for b in pool.probation] == [blocks[0].block_id]
+    assert not blocks[0].reused and not blocks[0].protected
+    assert pool.get_cached_block(bytes([3, 0]) * 16) is blocks[0]  # demoted, not evicted
+    assert free_ids(pool) == [b.block_id for b in blocks]
+    # A hit on the demoted block promotes it again when it is next freed.
+    pool.touch([blocks[0]])
+    pool.free_blocks([blocks[0]])
+    assert blocks[0].protected and pool.probation.num_free == 1  # block 2 was demoted in its place
+    assert [b.block_id for b in pool.probation] == [blocks[1].block_id]
+
+
+def test_blocks_never_hit_or_never_cached_stay_on_probation():
+    pool = BlockPool(5, enable_caching=True)
+    cached = _cached_blocks(pool, 2, salt=4)
+    plain = pool.get_new_blocks(2)
+    pool.free_blocks([*cached, *plain])
+    assert pool.protected.num_free == 0
+    assert free_ids(pool) == [b.block_id for b in [*cached, *plain]]
 
 
 def test_reset_prefix_cache_only_when_nothing_is_held():
@@ -580,8 +633,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         usable = pool.blocks[1:]
         assert pool.null_block.ref_cnt == 1
         assert all(b.ref_cnt >= 0 for b in usable)
+        # Segmented LRU: each free block sits in the queue its flag names, protected ones are reused
+        # cached blocks, and the protected queue stays within its cap.
+        assert pool.protected.num_free <= pool.max_protected
+        assert all(b.protected and b.reused and b.block_hash is not None for b in pool.protected)
+        assert not any(b.protected for b in pool.probation)
 
-        queue = list(pool.free_queue)
+        queue = list(pool.free_blocks_in_eviction_order())
         queue_ids = [b.block_id for b in queue]
         assert len(queue_ids) == len(set(queue_ids)) == pool.get_num_free_blocks()
         assert 0 not in queue_ids

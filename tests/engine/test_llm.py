@@ -15,7 +15,7 @@ def llm(demo_model):
 def _no_leaks(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     assert (
-        llm.engine.scheduler.kv.block_pool.free_queue.num_free
+        llm.engine.scheduler.kv.block_pool.get_num_free_blocks()
         == llm.engine.scheduler.kv.block_pool.num_usable_blocks
     )
     assert not llm.engine.scheduler.kv.req_to_blocks

@@ -90,7 +90,7 @@ def executor(llm: LLM) -> SimulatedExecutor:
 def no_leaks(llm: LLM) -> None:
     kv = llm.engine.scheduler.kv
     assert not llm.engine.has_unfinished_requests()
-    assert kv.block_pool.free_queue.num_free == kv.block_pool.num_usable_blocks
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_usable_blocks
     assert not executor(llm).requests
 
 

@@ -2,8 +2,8 @@
 
 Why: at decode batch sizes (tens of rows) MKL's sgemm on ``F.linear``'s ``[out, in]`` weights ran the
 ``small`` model's projections at ~50-65 % of the machine's matmul peak; oneDNN with the weights
-reordered once into its blocked layout ran the same shapes 1.2-1.5x faster, and prefill-sized ones
-(thousands of rows) as fast as before (``bench/engine_throughput.py``, docs/BENCHMARKS.md).
+reordered once into its blocked layout ran the same shapes 1.1-1.5x faster (1.7x over the engine's
+decode steps), and prefill-sized ones (thousands of rows) as fast as before (docs/BENCHMARKS.md).
 
 The packed copy is derived state. The plain parameter stays the source of truth (the loader, tensor
 parallel sharding and sleep/wake all work on it), so packing costs one more copy of the matmul weights
