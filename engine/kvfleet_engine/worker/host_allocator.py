@@ -4,8 +4,8 @@ Why: a forward pass allocates and frees large activations every step (a 2048-tok
 gate/up output alone is 29 MiB in the ``small`` model). With glibc's defaults these are served by
 ``mmap`` and returned with ``munmap``, or trimmed off the top of the heap, as soon as they are freed,
 so the next step page-faults every one of them back in (and the kernel zeroes each page). Keeping
-them in the heap cut the minor page faults of ``bench/engine_throughput.py`` from ~680 k to ~210 k and
-its wall time by ~10 % (docs/BENCHMARKS.md). The cost is resident memory: up to
+them in the heap cut the minor page faults of ``bench/engine_throughput.py``'s workload from ~760 k to
+~260 k and its wall time by 5-8 % (docs/BENCHMARKS.md). The cost is resident memory: up to
 ``trim_threshold`` of freed heap is kept for reuse instead of being handed back.
 
 The settings apply to the whole process (``mallopt``), which is why only workers call this, once.
@@ -25,7 +25,7 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
-# glibc caps M_MMAP_THRESHOLD at 32 MiB on 64-bit (HEAP_MAX_SIZE / 2); larger values are rejected.
+# glibc's documented maximum for M_MMAP_THRESHOLD on 64-bit; the per-step activations stay below it.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
