@@ -93,7 +93,8 @@ def test_switched_off_the_worker_packs_nothing(demo_model, monkeypatch):
 @pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
 )
-def test_cpu_workers_tune_glibc_malloc_once(demo_model):
+def test_cpu_workers_tune_glibc_malloc_once(demo_model, monkeypatch):
+    monkeypatch.setattr(host_allocator, "_tuned", False)  # earlier tests' workers tuned this process
     cfg = EngineConfig.create(demo_model(), dtype="float32", max_model_len=128, num_kv_blocks=16)
     Worker(cfg, use_tqdm=False)
     assert host_allocator._tuned  # a CPU worker applied the settings
