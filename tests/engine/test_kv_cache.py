@@ -294,6 +294,28 @@ def test_blocks_never_hit_or_never_cached_stay_on_probation():
     assert free_ids(pool) == [b.block_id for b in [*cached, *plain]]
 
 
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_queued_requests_prefix_is_kept_warm_while_it_waits(warm):
+    kv = KVCacheManager(12, BS)  # 11 usable blocks
+    prefix = list(range(100, 100 + 3 * BS))
+    first = make_req("first", [*prefix, 1])
+    admit(kv, first)
+    kv.free(first)  # the prefix is cached, never reused: on probation, freed before what follows
+    queued = make_req("queued", [*prefix, 2])  # arrives, waits behind other work
+    if warm:
+        assert kv.keep_warm(queued) == 3
+    for i in range(2):  # other requests' private blocks churn through the rest of the cache twice
+        churn = [make_req(f"churn{i}{j}", list(range(1000 * (i + 1) + 100 * j, 1000 * (i + 1) + 100 * j + 4 * BS)))
+                 for j in range(2)]  # fmt: skip
+        for r in churn:
+            admit(kv, r)
+        for r in churn:
+            kv.free(r)
+    _, num_hit = kv.get_computed_blocks(queued)
+    assert num_hit == (3 * BS if warm else 0)
+    assert kv.get_num_free_blocks() == 11  # warming took no references
+
+
 def test_reset_prefix_cache_only_when_nothing_is_held():
     kv = KVCacheManager(8, BS)
     tokens = list(range(2 * BS + 1))
@@ -545,6 +567,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self._admit(req):
             self.running[rid] = req
         self.kv.block_pool.flush_events()
+
+    @rule(
+        stem=st.integers(0, len(STEMS) - 1),
+        stem_len=st.integers(1, 12),
+        suffix=st.lists(ALPHABET, max_size=3),
+    )
+    def keep_warm(self, stem, stem_len, suffix):
+        """A request arrives and waits: its cached prefix moves in the eviction order, nothing else."""
+        req = make_req(f"q{self.next_id}", STEMS[stem][:stem_len] + suffix)
+        self.next_id += 1
+        before = self.kv.get_num_free_blocks()
+        found = self.kv.keep_warm(req)
+        assert found == len(self.kv.get_computed_blocks(req)[0])
+        assert self.kv.get_num_free_blocks() == before
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 1000), new_tokens=st.lists(ALPHABET, min_size=1, max_size=6))

@@ -156,6 +156,18 @@ class BlockPool:
             block.ref_cnt += 1
             block.reused = True
 
+    def keep_warm(self, blocks: list[KVCacheBlock]) -> None:
+        """Blocks a queued request will hit when it is scheduled: count them as reused and move the free
+        ones to the protected queue's most recent end (the prefix's first block last, so it goes last).
+
+        No reference is taken (a queued request holds no memory); only the eviction order changes, so
+        a prompt found at arrival is not evicted by other requests' churn while this one waits."""
+        for block in reversed(blocks):
+            block.reused = True
+            if block.ref_cnt == 0:
+                (self.protected if block.protected else self.probation).remove(block)
+                self._enqueue(block)
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue tail in this order.
 

@@ -65,6 +65,14 @@ class KVCacheManager:
             hit.append(block)
         return hit, len(hit) * self.block_size
 
+    def keep_warm(self, request: Request) -> int:
+        """On arrival: protect the cached prefix the request will hit from eviction while it waits
+        (``BlockPool.keep_warm``); returns the blocks found."""
+        hit, _ = self.get_computed_blocks(request)
+        if hit:
+            self.block_pool.keep_warm(hit)
+        return len(hit)
+
     def record_hit(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count a request's first admission in the hit-rate stats (not its retries or recomputes)."""
         self.stats.requests += 1

@@ -132,6 +132,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        # Under load a request can wait long enough for other requests' blocks to evict the prefix the
+        # router sent it here for; keep that prefix at the protected end of the eviction order.
+        self.kv.keep_warm(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, e.g. on a stop string found by the detokenizer) requests; frees their blocks."""
