@@ -1,4 +1,5 @@
-"""KV-cache eviction: segmented LRU (the engine's policy) vs plain LRU, on the real ``KVCacheManager``.
+"""KV-cache eviction: segmented LRU and keep-warm (the engine's policy) vs plain LRU, on the real
+``KVCacheManager``.
 
 Deterministic and model-free: requests are admitted and freed through the same ``KVCacheManager`` the
 scheduler uses (prefix lookup, allocation, lazy eviction), with no forward pass. Plain LRU is the same
@@ -14,6 +15,9 @@ Scenarios:
   ``bench/routing.py``) about 5 prompts fit besides the running requests.
 * ``shift``: the first half of the requests uses groups 0..G-1, the second half G..2G-1; reported for
   the second half only. Checks that prompts that were hot once do not keep the cache from new ones.
+* ``queued``: as ``uniform``, but each request waits behind ``--queue`` others between arriving and
+  being admitted (an engine under load). With keep-warm the scheduler protects, at arrival, the prefix
+  the request will hit (``Scheduler.add_request``); without it the prefix can be evicted meanwhile.
 
 Usage::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
 NAME = "kv_eviction"
-POLICIES = {"lru": 0.0, "segmented-lru": None}  # None: the engine's PROTECTED_FRACTION
+# name -> (protected cap, keep-warm at arrival); None: the engine's PROTECTED_FRACTION
+POLICIES = {"lru": (0.0, False), "segmented-lru": (None, False), "segmented-lru+keep-warm": (None, True)}
+SCENARIOS = ("uniform", "shift", "queued")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--private", type=int, default=300, help="private tokens per request (question + answer)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=4, help="requests holding blocks at once")
+    p.add_argument("--queue", type=int, default=8, help="(queued) requests waiting ahead of each arrival")
     p.add_argument("--groups", default="3,4,5,6,8", help="comma-separated group counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"JSON output (default {common.default_out(NAME)})")
@@ -54,13 +62,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def simulate(args: argparse.Namespace, fraction: float | None, groups: int, shift: bool) -> float:
-    """Hit rate on system-prompt tokens (second half only when ``shift``)."""
+def simulate(args: argparse.Namespace, policy: str, groups: int, scenario: str) -> float:
+    """Hit rate on system-prompt tokens (second half only for ``shift``)."""
     import kvfleet_engine.core.block_pool as block_pool
     from kvfleet_engine.core.kv_cache_manager import KVCacheManager
     from kvfleet_engine.request import Request
     from kvfleet_engine.sampling_params import SamplingParams
 
+    fraction, warm = POLICIES[policy]
+    shift = scenario == "shift"
+    queue = args.queue if scenario == "queued" else 0
     saved = block_pool.PROTECTED_FRACTION
     if fraction is not None:
         block_pool.PROTECTED_FRACTION = fraction
@@ -77,6 +88,7 @@ def simulate(args: argparse.Namespace, fraction: float | None, groups: int, shif
     params = SamplingParams(max_tokens=1)
     hit = total = 0
     holding: list[Any] = []
+    waiting: deque[tuple[Any, bool]] = deque()
     for i in range(args.requests):
         second_half = i >= args.requests // 2
         g = rng.randrange(groups) + (groups if shift and second_half else 0)
@@ -88,6 +100,12 @@ def simulate(args: argparse.Namespace, fraction: float | None, groups: int, shif
             block_size=args.block_size,
             eos_token_ids=frozenset(),
         )
+        if warm:
+            kv.keep_warm(req)
+        waiting.append((req, second_half))
+        if len(waiting) <= queue:
+            continue
+        req, second_half = waiting.popleft()
         blocks, num_hit = kv.get_computed_blocks(req)
         if kv.allocate_slots(req, req.num_tokens - num_hit, blocks, num_hit) is None:
             raise SystemExit("the cache cannot hold --concurrency requests: raise --blocks")
@@ -106,29 +124,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from kvfleet_engine.core.block_pool import PROTECTED_FRACTION
 
     rows = []
-    for scenario in ("uniform", "shift"):
+    for scenario in SCENARIOS:
         for g in args.groups:
-            rates = {name: simulate(args, frac, g, scenario == "shift") for name, frac in POLICIES.items()}
+            rates = {name: simulate(args, name, g, scenario) for name in POLICIES}
             rows.append({"scenario": scenario, "groups": g, **rates})
-    worse = [r for r in rows if r["segmented-lru"] < r["lru"] - 1e-9]
+    engine = "segmented-lru+keep-warm"  # what the engine does
+    worse = [r for r in rows if min(r["segmented-lru"], r[engine]) < r["lru"] - 1e-9]
     common.print_table(
         f"Prefix hit rate on system prompts ({args.blocks} blocks x {args.block_size}, {args.prefix}-token prompts, "
-        f"{args.private} private tokens, {args.concurrency} concurrent, {args.requests} requests)",
-        ["scenario", "groups", "LRU", "segmented LRU", "difference"],
+        f"{args.private} private tokens, {args.concurrency} concurrent, queue {args.queue}, {args.requests} requests)",
+        ["scenario", "groups", "LRU", "segmented LRU", "+ keep-warm (engine)", "engine vs LRU"],
         [
             [
                 r["scenario"],
                 str(r["groups"]),
                 f"{r['lru']:.1%}",
                 f"{r['segmented-lru']:.1%}",
-                f"{100 * (r['segmented-lru'] - r['lru']):+.1f} pp",
+                f"{r[engine]:.1%}",
+                f"{100 * (r[engine] - r['lru']):+.1f} pp",
             ]
             for r in rows
         ],
-        [
-            f"segmented LRU (protected cap {PROTECTED_FRACTION:.0%}) never worse than LRU: "
-            f"{'yes' if not worse else 'NO'}"
-        ],
+        [f"protected cap {PROTECTED_FRACTION:.0%}; never worse than LRU: {'yes' if not worse else 'NO'}"],
     )
     result = {
         "benchmark": NAME,
