@@ -21,7 +21,7 @@ Scenarios:
 
 Usage::
 
-    .venv/bin/python bench/kv_eviction.py            # a few seconds
+    .venv/bin/python bench/kv_eviction.py            # ~30 s
 """
 
 from __future__ import annotations
