@@ -11,6 +11,8 @@ import openai
 import pytest
 from gateway_harness import MODEL, kill_tree, wait_until
 
+from kvfleet_common import redis_keys
+
 LONG = "Tell me everything about the history of computing, from the abacus to the present day. " * 3
 
 
@@ -41,6 +43,15 @@ def test_two_gateways_share_tenants_limits_and_load(fleet, second):
     # concurrency: a stream held open on a counts on b (shared within one load-report interval)
     k2 = a.create_tenant("single", max_concurrent=1)
     assert ask(b, k2).status_code == 200  # warm (tokenizer loaded): the check below must be quick
+    # That request still counts on b until b's next load report (up to one 50 ms interval): wait for it,
+    # or a would rightly refuse the stream below.
+    reg = fleet.registry()
+
+    def tenant_in_flight() -> int:
+        gateways = reg.client.zrange(redis_keys.gateways(), 0, -1)
+        return sum(int(reg.client.hget(redis_keys.gateway_load(g.decode()), "t:single") or 0) for g in gateways)
+
+    wait_until(lambda: tenant_in_flight() == 0, 5, 0.01, "b to report the finished request")
     with httpx.stream("POST", f"{a.url}/v1/completions", headers={"Authorization": f"Bearer {k2}"}, timeout=60,
                       json={"model": MODEL, "prompt": "x", "max_tokens": 480, "stream": True, "ignore_eos": True}) as s:  # fmt: skip
         chunks = s.iter_bytes()  # keep the iterator: a collected one closes the response
@@ -48,8 +59,7 @@ def test_two_gateways_share_tenants_limits_and_load(fleet, second):
         r = wait_until(lambda: (r := ask(b, k2)).status_code == 429 and r, 10, 0.05, "b to see a's request")
         assert "concurrent" in r.json()["error"]["message"]
     wait_until(lambda: ask(b, k2).status_code == 200, 10, 0.1, "the slot to free on b")
-    reg = fleet.registry()
-    assert len(reg.client.zrange("kvf:gateways", 0, -1)) == 2
+    assert len(reg.client.zrange(redis_keys.gateways(), 0, -1)) == 2
 
 
 def test_redis_restart(fleet, second):
