@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvfleet_common
+from kvfleet_common.gc_heap import freeze_long_lived
 from kvfleet_common.http import ApiError, BodySizeLimit, bearer_token, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
@@ -76,8 +77,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         registry = AsyncRegistry.from_url(
-            config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10
-        )
+            config.redis_url, max_connections=config.max_redis_connections,
+            socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
+        )  # fmt: skip
         calls = RedisCalls(registry, metrics)
         fleet = FleetView(calls, metrics, config.registry_refresh_s, config.registry_max_staleness_s)
         http = Upstream(
@@ -97,6 +99,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
             await fleet.refresh()
         except Exception as e:  # start anyway: the refresher keeps trying; requests get 503 meanwhile
             logger.warning("initial registry read failed (%s); retrying in the background", e)
+        freeze_long_lived("gateway started")
         tasks = [asyncio.create_task(fleet.run(), name="registry-refresh"),
                  asyncio.create_task(load.run(), name="load-report")]  # fmt: skip
         logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, _redact(config.redis_url),

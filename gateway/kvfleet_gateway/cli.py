@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
+    from kvfleet_common.gc_heap import mark_server_process
     from kvfleet_common.tracing import setup_tracing
     from kvfleet_gateway.app import build_app
     from kvfleet_gateway.config import GatewayConfig
@@ -91,6 +92,7 @@ def main(argv: list[str]) -> int:
         print(f"kvfleet gateway: {e}")
         return 2
     app = build_app(config)
+    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.gc_heap)
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from kvfleet_common.gc_heap import freeze_long_lived
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -101,5 +102,6 @@ class TokenizerCache:
             return None
         tok = await asyncio.to_thread(load_tokenizer_files, files)
         self._loaded[(model, revision)] = tok
+        freeze_long_lived(f"tokenizer of {model} loaded")  # transformers (and torch) were imported just now
         logger.info("loaded tokenizer of %s (revision %s)", model, revision[:12])
         return tok

@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from kvfleet_common.gc_heap import freeze_long_lived, mark_server_process
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
 from kvfleet_engine.core.messages import (
@@ -347,6 +348,8 @@ def run_engine_core(
     try:
         t0 = time.perf_counter()
         proc = EngineCoreProc(config, input_addr, output_addr, presence)
+        mark_server_process()
+        freeze_long_lived("engine core ready")
         ready_conn.send({"ok": True, "num_kv_blocks": proc.engine.num_kv_blocks})
         logger.info("engine core ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:

@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvfleet_common
+from kvfleet_common.gc_heap import freeze_long_lived
 from kvfleet_common.http import ApiError, BodySizeLimit, bearer_matches, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
@@ -79,6 +80,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         if start_engine:
             await engine.start()
+        freeze_long_lived("engine server started")
         logger.info("serving %s (max_model_len=%d)", served_model_name, engine.config.max_model_len)
         try:
             yield

@@ -50,6 +50,7 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kvfleet_common.gc_heap import mark_server_process
     from kvfleet_common.tracing import setup_tracing
     from kvfleet_engine.async_llm import AsyncLLM
     from kvfleet_engine.config import EngineConfig
@@ -64,6 +65,7 @@ def serve_main(argv: list[str]) -> int:
         print(f"kvfleet engine serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or config.model.path.name
+    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.gc_heap)
     presence = None
     if args.redis_url:
         host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from kvfleet_common.gc_heap import freeze_long_lived, mark_server_process
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.executor.shm_broadcast import BroadcastReader, RingHandle
 
@@ -125,6 +126,8 @@ def run_worker(spec: WorkerSpec, conn: Connection, death_pipe: Connection) -> No
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
+    mark_server_process()
+    freeze_long_lived(f"worker rank {spec.rank} loaded")
     conn.send(("ready", os.getpid()))
     handler = _Handler(worker)
     while True:
