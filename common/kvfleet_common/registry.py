@@ -1167,9 +1167,24 @@ class AsyncRegistry(_Registry):
         self.client = client
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> AsyncRegistry:
-        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``."""
-        return cls(redis.asyncio.Redis.from_url(url, **{**reconnect_policy(sync=False), **kwargs}))
+    def from_url(
+        cls, url: str, *, max_connections: int | None = None, pool_timeout_s: float = 5.0, **kwargs: Any
+    ) -> AsyncRegistry:
+        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``.
+
+        With ``max_connections`` the pool holds at most that many connections and a command waits (up to
+        ``pool_timeout_s``) for a free one. Without it, redis-py's pool allows 100 and then *fails* the
+        command with "Too many connections": a gateway with 100+ requests in flight took that for Redis
+        being down and routed without admission (no quota checks) until the next success."""
+        options = {**reconnect_policy(sync=False), **kwargs}
+        if max_connections is None:
+            return cls(redis.asyncio.Redis.from_url(url, **options))
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout_s, **options
+        )
+        client = redis.asyncio.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # aclose() closes the pool, as for from_url's clients
+        return cls(client)
 
     def _run(self, op: Op) -> Awaitable[Any]:
         return _run_async(self.client, op)

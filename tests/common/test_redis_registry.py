@@ -396,6 +396,27 @@ def test_async_registry_speaks_the_same_contract(redis_server, reg):
     assert names == [[MODEL]] * 3
 
 
+def test_async_registry_with_a_bounded_pool_queues_commands_instead_of_failing(redis_server, reg):
+    """More concurrent commands than connections: each waits for a free connection (redis-py's default
+    pool fails the 101st concurrent command with "Too many connections")."""
+    register(reg, "a#1")
+    hashes = hash_blocks(range(32), BS)
+    reg.apply_kv_events("a#1", [("stored", h) for h in hashes[:3]], 1)
+
+    async def main():
+        areg = AsyncRegistry.from_url(redis_server.url, max_connections=4)
+        try:
+            results = await asyncio.gather(*(areg.prefix_match(MODEL, hashes, ["a#1"]) for _ in range(300)))
+            pool = areg.client.connection_pool
+            return results, len(pool._available_connections) + len(pool._in_use_connections)
+        finally:
+            await areg.aclose()
+
+    results, connections = asyncio.run(main())
+    assert results == [{"a#1": 3}] * 300
+    assert connections <= 4
+
+
 def test_registries_reconnect_after_a_redis_restart(redis_server):
     """Every pooled connection is dead after a restart; a transaction on one must not fail (redis-py's
     default policy does not retry MULTI/EXEC). Usage recording is a transaction."""
