@@ -17,13 +17,12 @@ error event followed by ``[DONE]``: the client always sees the stream end.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +80,7 @@ class Routed:
     first_byte_at: float | None = None
     usage: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
+    relayed_to_end: bool = False  # a stream's last event (or its error event) was handed to the client
 
 
 def _salt(tenant: TenantRecord, client_salt: str | None) -> str:
@@ -141,17 +141,26 @@ class Proxy:
             request_id=raw.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}",
             endpoint=endpoint, tenant=tenant, model=body.model, started=time.perf_counter(),
         )  # fmt: skip
-        with tracer.start_as_current_span("kvfleet.gateway.route") as span:
-            span.set_attributes({"kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model,
-                                 "kvfleet.endpoint": endpoint, "kvfleet.request_id": r.request_id})  # fmt: skip
-            try:
+        # The span covers the whole proxied request: for a stream it is ended by the relay (_StreamRelay),
+        # after the last event, so the stream's outcome and usage land on it.
+        span = tracer.start_span("kvfleet.gateway.route", attributes={
+            "kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model, "kvfleet.endpoint": endpoint,
+            "kvfleet.request_id": r.request_id,
+        })  # fmt: skip
+        try:
+            with trace.use_span(span, end_on_exit=False):
                 response = await self._route_and_send(r, body, raw, span)
-            except ApiError as e:
-                r.status = e.status
-                span.set_attribute("http.response.status_code", e.status)
-                self._finish(r)
-                raise
-            return response
+        except ApiError as e:
+            r.status = e.status
+            self._finish(r, span)
+            raise
+        except BaseException:
+            r.status = r.status or 499
+            span.end()
+            raise
+        if not isinstance(response, _StreamRelay):
+            self._finish(r, span)
+        return response
 
     # ---- routing -------------------------------------------------------------------------------------
 
@@ -283,9 +292,10 @@ class Proxy:
             raise
         headers = self._response_headers(r, raw, upstream)
         if body.stream and upstream.status_code == 200:
-            return StreamingResponse(
-                self._relay_stream(r, upstream, ticket, client_wants_usage=body.include_usage, span=span),
-                status_code=200, media_type="text/event-stream", headers=headers,
+            r.status = 200
+            return _StreamRelay(
+                self._relay_stream(r, upstream, client_wants_usage=body.include_usage, ticket=ticket),
+                on_close=lambda: self._stream_closed(r, upstream, ticket, span), headers=headers,
             )  # fmt: skip
         try:
             content = await upstream.read()
@@ -302,7 +312,6 @@ class Proxy:
             except ValueError:
                 r.usage = None
         self._release(r, ticket, self._usage_record(r))
-        self._finish(r)
         return Response(content, status_code=upstream.status_code, headers=headers,
                         media_type=upstream.headers.get("content-type", "application/json"))  # fmt: skip
 
@@ -368,12 +377,13 @@ class Proxy:
                        code="upstream_unavailable", headers={"Retry-After": "2"})  # fmt: skip
 
     async def _relay_stream(
-        self, r: Routed, upstream: UpstreamResponse, ticket: Ticket, client_wants_usage: bool, span
+        self, r: Routed, upstream: UpstreamResponse, client_wants_usage: bool, ticket: Ticket
     ) -> AsyncIterator[bytes]:
-        """Pass SSE events through as they complete; meter usage; always end the stream properly."""
+        """Pass SSE events through as they complete; meter usage; always end the stream properly.
+        (Releasing the load and finishing the request is ``_stream_closed``'s job: it runs even when the
+        client left before this generator started.)"""
         buf = b""
         first = True
-        r.status = 200
         try:
             async for chunk in upstream.iter_chunks():
                 buf += chunk
@@ -397,6 +407,7 @@ class Proxy:
                     yield b"".join(out)
             if buf.strip():
                 yield buf
+            r.relayed_to_end = True
         except UpstreamReadError as e:
             r.status = 503
             self.metrics.upstream_errors.labels(r.model, "midstream").inc()
@@ -405,14 +416,14 @@ class Proxy:
                 self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
             err = error_body(503, f"the replica serving this stream failed: {e}", code="upstream_failed")
             yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
-        except asyncio.CancelledError:
-            r.status = 499  # the client went away; closing the upstream aborts the engine's request
-            raise
-        finally:
-            upstream.close()  # drops the connection unless the body was read to the end (client gone)
-            self._release(r, ticket, self._usage_record(r))
-            span.set_attribute("http.response.status_code", r.status)
-            self._finish(r)
+            r.relayed_to_end = True
+
+    def _stream_closed(self, r: Routed, upstream: UpstreamResponse, ticket: Ticket, span) -> None:
+        if not r.relayed_to_end and r.status == 200:
+            r.status = 499  # the client left before the stream ended (or before it started)
+        upstream.close()  # drops the connection unless the body was read to the end: aborts the engine's request
+        self._release(r, ticket, self._usage_record(r))
+        self._finish(r, span)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
@@ -451,12 +462,19 @@ class Proxy:
             m.prediction_error.labels(r.model).observe(abs(r.predicted_cached - cached))
         return UsageRecord(r.tenant.name, r.model, prompt, completion, cached)
 
-    def _finish(self, r: Routed) -> None:
+    def _finish(self, r: Routed, span) -> None:
+        """The request is over: its metrics, its log line, the end of its span."""
         duration = time.perf_counter() - r.started
         self.metrics.requests.labels(r.model, r.tenant.name, r.endpoint, str(r.status)).inc()
         self.metrics.duration.labels(r.model, r.endpoint).observe(duration)
         u = r.usage or {}
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        span.set_attribute("http.response.status_code", r.status)
+        if u:
+            span.set_attributes({"gen_ai.usage.input_tokens": u.get("prompt_tokens") or 0,
+                                 "gen_ai.usage.output_tokens": u.get("completion_tokens") or 0,
+                                 "kvfleet.cached_tokens": cached or 0})  # fmt: skip
+        span.end()
         logger.info(
             "%s tenant=%s model=%s %s status=%d replica=%s policy=%s prompt=%s cached(pred/actual)=%d/%s "
             "completion=%s attempts=%d %.1fms%s",
@@ -465,6 +483,26 @@ class Proxy:
             u.get("prompt_tokens", r.prompt_tokens), r.predicted_cached, cached, u.get("completion_tokens"),
             r.attempts, duration * 1000, f" fallbacks={','.join(r.fallbacks)}" if r.fallbacks else "",
         )  # fmt: skip
+
+
+class _StreamRelay(StreamingResponse):
+    """The SSE response of a proxied stream: ``on_close`` runs exactly once when the response is over,
+    however it ended (last event sent, client gone, cancelled), even if the body never started (a bare
+    async generator's ``finally`` does not run then). The generator is closed first, so a stream the
+    client abandoned mid-way stops reading the upstream before the request is released."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]):
+        super().__init__(body, status_code=200, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_close()
 
 
 def _usage_of(event: bytes) -> dict | None:

@@ -13,6 +13,7 @@ def test_client_trace_continues_through_gateway_and_engine(demo_model, tmp_path)
     receiver = OTLPReceiver()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     trace_id, client_span = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
+    stream_trace_id = "6cf92f3577b34da6a3ce929d0e0e4738"
     try:
         with Fleet(demo_model("llama", "tiny"), tmp_path) as fleet:
             fleet.start_engines(1, env=env)
@@ -22,12 +23,19 @@ def test_client_trace_continues_through_gateway_and_engine(demo_model, tmp_path)
                            headers={"Authorization": f"Bearer {key}", "traceparent": f"00-{trace_id}-{client_span}-01"},
                            json={"model": MODEL, "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 3})  # fmt: skip
             assert r.status_code == 200, r.text
+            # a stream: its route span stays open until the last event, so the outcome and usage land on it
+            with httpx.stream("POST", f"{g.url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {key}",
+                                       "traceparent": f"00-{stream_trace_id}-{client_span}-01"},
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "stream me"}],
+                                    "max_tokens": 4, "stream": True}) as s:  # fmt: skip
+                assert s.status_code == 200
+                assert b"data: [DONE]" in b"".join(s.iter_bytes())
 
             def both_exported():
-                names = {(svc, s.name) for svc, s in receiver.spans if s.trace_id.hex() == trace_id}
-                return ("kvfleet-gateway", "kvfleet.gateway.route") in names and any(
-                    svc == "kvfleet-engine" and n == "engine chat" for svc, n in names
-                )
+                names = {(s.trace_id.hex(), svc, s.name) for svc, s in receiver.spans}
+                return all((t, "kvfleet-gateway", "kvfleet.gateway.route") in names
+                           and (t, "kvfleet-engine", "engine chat") in names for t in (trace_id, stream_trace_id))  # fmt: skip
 
             wait_until(both_exported, 20, 0.1, "spans from both processes")
             time.sleep(0.3)  # the HTTP server spans end last; give them one more export interval
@@ -51,5 +59,12 @@ def test_client_trace_continues_through_gateway_and_engine(demo_model, tmp_path)
         assert attrs["kvfleet.replica"].string_value == r.headers["x-kvfleet-replica"]
         assert attrs["kvfleet.policy"].string_value == "prefix-aware"
         assert "matched_tokens" in attrs["kvfleet.candidates"].string_value
+        assert attrs["http.response.status_code"].int_value == 200
+        [stream_route] = [s for svc, s in receiver.spans
+                          if s.trace_id.hex() == stream_trace_id and s.name == "kvfleet.gateway.route"]  # fmt: skip
+        stream_attrs = {a.key: a.value for a in stream_route.attributes}
+        assert stream_attrs["http.response.status_code"].int_value == 200
+        assert 0 < stream_attrs["gen_ai.usage.output_tokens"].int_value <= 4  # metered although not asked for
+        assert stream_route.end_time_unix_nano > stream_route.start_time_unix_nano
     finally:
         receiver.close()
