@@ -21,6 +21,11 @@ the gateway's own cost without queueing); the gateway's ``kvfleet_gateway_routin
 ``total_commands_processed`` / ``INFO commandstats`` deltas per request, over the gateway rounds and,
 for comparison, over the direct rounds (what the replica's heartbeats and KV events cost on their own).
 
+``--cpu-layout isolated`` gives the gateway (and Redis) half of the CPUs and the clients and the replica the
+other half, as in a deployment where the gateway has its own node. In the default shared layout the closed
+loop keeps every CPU busy, so whatever CPU the gateway spends per request comes out of the clients' and the
+replica's time, and the added latency grows with the concurrency (see docs/BENCHMARKS.md).
+
 ``--profile`` then samples the gateway with py-spy (when installed) during extra gateway rounds and reports
 where its CPU time goes (self and inclusive time per function, and per library).
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import re
 import shlex
 import shutil
@@ -55,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 import _fleet as fleet_mod
 import _serve_common as sc
+import _servers as servers
 
 NAME = "gateway_overhead"
 MODEL = "sim"
@@ -82,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the gateway process (repeatable), e.g. OTEL_SDK_DISABLED=true")  # fmt: skip
+    p.add_argument("--cpu-layout", choices=("shared", "isolated"), default="shared",
+                   help="shared: every process on every CPU (default); isolated: the gateway and Redis on the\n"
+                        "second half of the CPUs, the clients and the replica on the first half, as when the\n"
+                        "gateway runs on its own node (its CPU is then not taken from the load generator)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="sample the gateway with py-spy in extra rounds")
     p.add_argument("--profile-rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -516,6 +527,12 @@ def render(result: dict[str, Any]) -> None:
                  f"E2E p50 {_f(p['e2e']['p50'])} ms")  # fmt: skip
     for name, t in result["targets"].items():
         notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} ({t['detail']})")
+    lay = result.get("cpu_layout", {})
+    if lay.get("layout") == "isolated":
+        notes.append(f"CPU layout isolated: gateway + Redis on CPUs {lay['gateway_and_redis']}, clients + replica "
+                     f"on {lay['clients_and_replica']}")  # fmt: skip
+    else:
+        notes.append("CPU layout shared: clients, replica, gateway and Redis on the same CPUs")
     notes.extend(result["notes"])
     common.print_table(
         f"Gateway overhead: {result['command']}",
@@ -523,6 +540,25 @@ def render(result: dict[str, Any]) -> None:
         rows,
         notes,
     )
+
+
+def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str) -> dict[str, Any]:
+    """Pin every thread of each process and its children (threads started later inherit their creator's
+    CPUs). The bench process itself (the clients) is pinned last: its children were placed already."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if layout == "shared":
+        return {"layout": "shared", "cpus": cpus}
+    if len(cpus) < 2:
+        raise SystemExit("--cpu-layout isolated needs at least 2 CPUs")
+    load, gateway = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+    assert fl.gateway is not None and fl.redis is not None and fl.redis.proc is not None
+    for pid, where in ((fl.gateway.pid, gateway), (fl.redis.proc.pid, gateway),
+                       (fl.engines[0].pid, load), (os.getpid(), load)):  # fmt: skip
+        for p in [pid] if pid == os.getpid() else servers.process_tree(pid):  # not our children: pinned above
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(tid), where)
+    return {"layout": "isolated", "gateway_and_redis": gateway, "clients_and_replica": load}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -545,6 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir, MODEL, log_dir, 1, ZERO_COST, 4096, 1024, gateway_env=args.gateway_env
     ) as fl:
         result["boot_s"] = fl.boot("prefix-aware")
+        result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
         result["contention_before"] = common.contention()
         m = asyncio.run(measure(fl, args, tokenizer, words))
         result["contention_after"] = common.contention()
