@@ -29,6 +29,7 @@ from kvfleet_common.openai_protocol import (
     ModelList,
 )
 from kvfleet_common.registry import AsyncRegistry
+from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_common.schemas import TenantRecord
 from kvfleet_gateway.admin import build_admin_router
 from kvfleet_gateway.config import GatewayConfig
@@ -101,7 +102,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
             logger.warning("initial registry read failed (%s); retrying in the background", e)
         freeze_long_lived("gateway started")
         tasks = [asyncio.create_task(fleet.run(), name="registry-refresh"),
-                 asyncio.create_task(load.run(), name="load-report")]  # fmt: skip
+                 asyncio.create_task(load.run(), name="load-report"),
+                 asyncio.create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")]  # fmt: skip
         logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, _redact(config.redis_url),
                     len(fleet.models))  # fmt: skip
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvfleet_common.runtime_metrics import add_process_collectors, loop_lag_histogram
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -11,6 +13,8 @@ _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        add_process_collectors(r)
+        self.loop_lag = loop_lag_histogram("kvfleet_gateway", r)
         self.requests = Counter(
             "kvfleet_gateway_requests", "Finished client requests by model, tenant, endpoint and status code",
             ["model", "tenant", "endpoint", "status"], registry=r,

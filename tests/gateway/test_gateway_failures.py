@@ -49,7 +49,9 @@ def test_two_gateways_share_tenants_limits_and_load(fleet, second):
 
     def tenant_in_flight() -> int:
         gateways = reg.client.zrange(redis_keys.gateways(), 0, -1)
-        return sum(int(reg.client.hget(redis_keys.gateway_load(g.decode()), "t:single") or 0) for g in gateways)
+        return sum(
+            int(reg.client.hget(redis_keys.gateway_load(g.decode()), "t:single") or 0) for g in gateways
+        )
 
     wait_until(lambda: tenant_in_flight() == 0, 5, 0.01, "b to report the finished request")
     with httpx.stream("POST", f"{a.url}/v1/completions", headers={"Authorization": f"Bearer {k2}"}, timeout=60,

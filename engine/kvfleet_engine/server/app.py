@@ -7,6 +7,7 @@ Admin endpoints (sleep / wake / cache reset) need ``Authorization: Bearer <admin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -30,6 +31,7 @@ from kvfleet_common.openai_protocol import (
     TokenizeResponse,
     error_body,
 )
+from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_engine.async_llm import AsyncLLM
 from kvfleet_engine.server.metrics import EngineMetrics
 from kvfleet_engine.server.serving import OpenAIServing
@@ -81,10 +83,12 @@ def build_app(
         if start_engine:
             await engine.start()
         freeze_long_lived("engine server started")
+        lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")
         logger.info("serving %s (max_model_len=%d)", served_model_name, engine.config.max_model_len)
         try:
             yield
         finally:
+            lag.cancel()
             engine.shutdown()
 
     app = FastAPI(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvfleet_common.runtime_metrics import add_process_collectors, loop_lag_histogram
 from kvfleet_engine.core.messages import CoreStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5,
@@ -21,6 +22,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
+        add_process_collectors(r)
+        self.loop_lag = loop_lag_histogram("kvfleet_engine", r)
         labels = ["model_name"]
         self.model_name = model_name
         self.requests = Counter(
