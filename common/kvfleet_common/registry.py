@@ -22,6 +22,7 @@ not Redis Cluster.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -1162,32 +1163,36 @@ class Registry(_Registry):
 class AsyncRegistry(_Registry):
     """Async registry over ``redis.asyncio.Redis``: the same methods, each returning an awaitable."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: redis.asyncio.Redis, max_concurrent_ops: int | None = None) -> None:
+        """``max_concurrent_ops``: operations beyond this many wait, first come first served, for one to
+        finish (each operation holds one connection at a time). Without a limit redis-py's pool opens
+        up to 100 connections and then *fails* the command with "Too many connections": a gateway with
+        100+ requests in flight took that for Redis being down and admitted requests without their
+        quotas until the next success. (redis-py's BlockingConnectionPool waits instead, but a freed
+        connection goes to whichever caller asks next, not to the longest waiter: under load some
+        requests waited seconds.)"""
         _check_binary(client)
         self.client = client
+        self._slots = asyncio.Semaphore(max_concurrent_ops) if max_concurrent_ops else None
 
     @classmethod
-    def from_url(
-        cls, url: str, *, max_connections: int | None = None, pool_timeout_s: float = 5.0, **kwargs: Any
-    ) -> AsyncRegistry:
-        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``.
-
-        With ``max_connections`` the pool holds at most that many connections and a command waits (up to
-        ``pool_timeout_s``) for a free one. Without it, redis-py's pool allows 100 and then *fails* the
-        command with "Too many connections": a gateway with 100+ requests in flight took that for Redis
-        being down and routed without admission (no quota checks) until the next success."""
+    def from_url(cls, url: str, *, max_concurrent_ops: int | None = None, **kwargs: Any) -> AsyncRegistry:
+        """A client with ``reconnect_policy`` unless the caller gives its own ``retry``; its pool allows
+        twice ``max_concurrent_ops`` connections (room for direct use of ``client``)."""
         options = {**reconnect_policy(sync=False), **kwargs}
-        if max_connections is None:
-            return cls(redis.asyncio.Redis.from_url(url, **options))
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=pool_timeout_s, **options
-        )
-        client = redis.asyncio.Redis(connection_pool=pool)
-        client.auto_close_connection_pool = True  # aclose() closes the pool, as for from_url's clients
-        return cls(client)
+        if max_concurrent_ops:
+            options.setdefault("max_connections", max(100, 2 * max_concurrent_ops))
+        return cls(redis.asyncio.Redis.from_url(url, **options), max_concurrent_ops)
 
     def _run(self, op: Op) -> Awaitable[Any]:
-        return _run_async(self.client, op)
+        if self._slots is None:
+            return _run_async(self.client, op)
+        return self._run_limited(op)
+
+    async def _run_limited(self, op: Op) -> Any:
+        assert self._slots is not None
+        async with self._slots:
+            return await _run_async(self.client, op)
 
     async def aclose(self) -> None:
         await self.client.aclose()

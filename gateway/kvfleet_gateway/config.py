@@ -31,8 +31,8 @@ class GatewayConfig:
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
     max_upstream_connections: int = 2000
-    # Redis connections: commands beyond this wait for a free one (one Redis server runs one command at a
-    # time, so more connections add no throughput, only file descriptors and server-side clients).
+    # Redis operations in flight: more wait, first come first served (one Redis server runs one command at
+    # a time, so more connections add no throughput, only file descriptors and server-side clients).
     max_redis_connections: int = 32
 
     def __post_init__(self) -> None:

@@ -396,15 +396,15 @@ def test_async_registry_speaks_the_same_contract(redis_server, reg):
     assert names == [[MODEL]] * 3
 
 
-def test_async_registry_with_a_bounded_pool_queues_commands_instead_of_failing(redis_server, reg):
-    """More concurrent commands than connections: each waits for a free connection (redis-py's default
-    pool fails the 101st concurrent command with "Too many connections")."""
+def test_async_registry_with_an_ops_limit_queues_commands_instead_of_failing(redis_server, reg):
+    """More concurrent operations than the limit: each waits its turn on one of the limit's connections
+    (redis-py's default pool fails the 101st concurrent command with "Too many connections")."""
     register(reg, "a#1")
     hashes = hash_blocks(range(32), BS)
     reg.apply_kv_events("a#1", [("stored", h) for h in hashes[:3]], 1)
 
     async def main():
-        areg = AsyncRegistry.from_url(redis_server.url, max_connections=4)
+        areg = AsyncRegistry.from_url(redis_server.url, max_concurrent_ops=4)
         try:
             results = await asyncio.gather(*(areg.prefix_match(MODEL, hashes, ["a#1"]) for _ in range(300)))
             pool = areg.client.connection_pool

@@ -255,14 +255,17 @@ def test_client_disconnect_aborts_the_engine_request(fleet, key):
 
 
 def test_process_metrics_loop_lag_and_a_frozen_start_up_heap(fleet, key):
-    sdk(fleet, key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    hello = [{"role": "user", "content": "hi"}]
+    sdk(fleet, key).chat.completions.create(model=MODEL, messages=hello, max_tokens=2)
     g = fleet.gateway
     assert g.metric("process_cpu_seconds_total") > 0 and g.metric("process_resident_memory_bytes") > 0
     assert any(k.startswith("python_gc_collections_total") for k in g.metrics())
-    wait_until(lambda: g.metric("kvfleet_gateway_event_loop_lag_seconds_count") >= 2, 10, 0.1, "loop-lag samples")
+    lag_samples = lambda: g.metric("kvfleet_gateway_event_loop_lag_seconds_count")  # noqa: E731
+    wait_until(lambda: lag_samples() >= 2, 10, 0.1, "loop-lag samples")
     log = g.log()
     # frozen after start-up and again after the first request loaded the tokenizer (transformers, torch)
-    assert "out of garbage collection (gateway started" in log and "out of garbage collection (tokenizer of" in log
+    assert "out of garbage collection (gateway started" in log
+    assert "out of garbage collection (tokenizer of" in log
     assert "ended span" not in log  # a stream's route span used to be written to after it had ended
 
 

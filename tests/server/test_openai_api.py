@@ -202,7 +202,9 @@ def test_health_version_metrics(server, client):
     assert server.metric("kvfleet_engine_sleep_level") == 0
     assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") > 0
     assert any(k.startswith("kvfleet_engine_kv_cache_usage_ratio") for k in m)
-    assert m["process_resident_memory_bytes"] > 0 and any(k.startswith("python_gc_collections_total") for k in m)
+    assert m["process_resident_memory_bytes"] > 0
+    assert any(k.startswith("python_gc_collections_total") for k in m)
     assert m["kvfleet_engine_event_loop_lag_seconds_count"] >= 1
-    log = server.log()  # the API server and the core process froze their start-up heaps (kvfleet_common.gc_heap)
+    # the API server and the core process froze their start-up heaps (kvfleet_common.gc_heap)
+    log = server.log()
     assert "out of garbage collection (engine server started" in log and "(engine core ready" in log
