@@ -40,9 +40,12 @@ _CONNECT_ERRORS = (
 )
 # A pooled keep-alive connection the server closed while idle fails on reuse (reset, or "server
 # disconnected"): that says nothing about the replica, so the request is sent again on another
-# connection. Idle connections are dropped before uvicorn's 5 s keep-alive would close them.
+# connection. Idle connections are kept 60 s and dropped before the engine's keep-alive (75 s) closes
+# them. Kept long on purpose: a replica busy with streams took up to 3 s to start serving each of a burst
+# of ~100 new connections (bench/gateway_overhead.py: the first requests after 4 s without traffic), while
+# requests on open connections were served at once.
 STALE_RETRIES = 2
-KEEPALIVE_S = 4.0
+KEEPALIVE_S = 60.0
 _READ_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
