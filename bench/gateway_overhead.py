@@ -526,7 +526,10 @@ def render(result: dict[str, Any]) -> None:
     notes.append(f"paired differences (same prompt, same client slot): TTFT p50 {_f(p['ttft']['p50'])} ms, "
                  f"E2E p50 {_f(p['e2e']['p50'])} ms")  # fmt: skip
     for name, t in result["targets"].items():
-        notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} ({t['detail']})")
+        verdict = "met" if t["met"] else "NOT met"
+        if t.get("inconclusive"):
+            verdict = "inconclusive (round pairs disagree)"
+        notes.append(f"target {name}: {verdict} ({t['detail']})")
     lay = result.get("cpu_layout", {})
     if lay.get("layout") == "isolated":
         notes.append(f"CPU layout isolated: gateway + Redis on CPUs {lay['gateway_and_redis']}, clients + replica "
@@ -542,6 +545,18 @@ def render(result: dict[str, Any]) -> None:
     )
 
 
+def pair_differences(rounds: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Gateway minus direct TTFT p50 and p99 within each round pair (the two rounds run back to back)."""
+    by = {(r["round"], r["side"]): r for r in rounds}
+    out = []
+    for k in sorted({r["round"] for r in rounds}):
+        d, g = by.get((k, "direct")), by.get((k, "gateway"))
+        if d and g and None not in (d["ttft_p50_ms"], g["ttft_p50_ms"], d["ttft_p99_ms"], g["ttft_p99_ms"]):
+            out.append({"round": k, "ttft_p50_ms": round(g["ttft_p50_ms"] - d["ttft_p50_ms"], 3),
+                        "ttft_p99_ms": round(g["ttft_p99_ms"] - d["ttft_p99_ms"], 3)})  # fmt: skip
+    return out
+
+
 def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str) -> dict[str, Any]:
     """Pin every thread of each process and its children (threads started later inherit their creator's
     CPUs). The bench process itself (the clients) is pinned last: its children were placed already."""
@@ -552,13 +567,28 @@ def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str) -> dict[str, Any]:
         raise SystemExit("--cpu-layout isolated needs at least 2 CPUs")
     load, gateway = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
     assert fl.gateway is not None and fl.redis is not None and fl.redis.proc is not None
-    for pid, where in ((fl.gateway.pid, gateway), (fl.redis.proc.pid, gateway),
-                       (fl.engines[0].pid, load), (os.getpid(), load)):  # fmt: skip
-        for p in [pid] if pid == os.getpid() else servers.process_tree(pid):  # not our children: pinned above
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(tid), where)
+    for pid, where in ((fl.gateway.pid, gateway), (fl.redis.proc.pid, gateway), (fl.engines[0].pid, load)):
+        for p in servers.process_tree(pid):
+            pin_threads(p, where)
+    pin_threads(os.getpid(), load)  # not our children: they were placed above
     return {"layout": "isolated", "gateway_and_redis": gateway, "clients_and_replica": load}
+
+
+def pin_threads(pid: int, cpus: Sequence[int] | set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def added_latency_verdict(added: dict[str, Any], pairs: list[dict[str, float]]) -> dict[str, bool]:
+    """Met only if the pooled percentiles are under the limits *and* every round pair agrees: on a noisy
+    machine the pooled figure can land under the limit by chance while single pairs differ by tens of ms
+    either way (then the run shows nothing: inconclusive)."""
+    pooled_ok = all(added[m][q] is not None and added[m][q] <= lim
+                    for m in ("ttft_ms", "e2e_ms") for q, lim in (("p50", TARGET_P50_MS), ("p99", TARGET_P99_MS)))  # fmt: skip
+    every_pair_ok = all(d["ttft_p50_ms"] <= TARGET_P50_MS and d["ttft_p99_ms"] <= TARGET_P99_MS
+                        for d in pairs)  # fmt: skip
+    return {"met": pooled_ok and every_pair_ok, "inconclusive": pooled_ok and not every_pair_ok}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -581,9 +611,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir, MODEL, log_dir, 1, ZERO_COST, 4096, 1024, gateway_env=args.gateway_env
     ) as fl:
         result["boot_s"] = fl.boot("prefix-aware")
+        own_cpus = os.sched_getaffinity(0)
         result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
         result["contention_before"] = common.contention()
-        m = asyncio.run(measure(fl, args, tokenizer, words))
+        try:
+            m = asyncio.run(measure(fl, args, tokenizer, words))
+        finally:
+            pin_threads(os.getpid(), own_cpus)  # main() may run inside another program (the tests)
         result["contention_after"] = common.contention()
         result["rounds"] = m["rounds"]
         result["stats"] = side_stats(m["samples"])
@@ -606,13 +640,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["profile"] = {"error": f"{type(e).__name__}: {e}"}
     added = result["stats"]["added_ms"]
     trips = result["per_gateway_request"].get("gateway_redis_round_trips", {}).get("request_path")
+    pairs = result["round_pair_added_ms"] = pair_differences(result["rounds"])
     result["targets"] = {
         "added_latency": {
-            "met": all(added[m_][q] is not None and added[m_][q] <= lim
-                       for m_ in ("ttft_ms", "e2e_ms") for q, lim in (("p50", TARGET_P50_MS), ("p99", TARGET_P99_MS))),
+            **added_latency_verdict(added, pairs),
             "detail": f"TTFT p50 +{_f(added['ttft_ms']['p50'])} ms, p99 +{_f(added['ttft_ms']['p99'])} ms; "
                       f"E2E p50 +{_f(added['e2e_ms']['p50'])} ms, p99 +{_f(added['e2e_ms']['p99'])} ms "
-                      f"(limits {TARGET_P50_MS:g} / {TARGET_P99_MS:g} ms)",
+                      f"(limits {TARGET_P50_MS:g} / {TARGET_P99_MS:g} ms); per round pair TTFT p50 "
+                      + ", ".join(f"{d['ttft_p50_ms']:+.1f}" for d in pairs) + " ms",
         },
         "redis_round_trips": {
             "met": trips is not None and trips <= TARGET_REDIS_ROUND_TRIPS,

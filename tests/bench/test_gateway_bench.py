@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -102,8 +103,10 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
 
 def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model) -> None:
     out = tmp_path / "overhead.json"
+    cpus = sorted(os.sched_getaffinity(0))
+    layout = "isolated" if len(cpus) >= 2 else "shared"
     argv = ["--quick", "--model", str(demo_model(preset="tiny")), "--log-dir", str(tmp_path / "logs"),
-            "--out", str(out)]  # fmt: skip
+            "--out", str(out), "--cpu-layout", layout]  # fmt: skip
     result = overhead.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
@@ -125,6 +128,29 @@ def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model) -> None
     assert [r["side"] for r in data["rounds"]] == ["direct", "gateway"]
     assert set(data["targets"]) == {"added_latency", "redis_round_trips"}
     assert all(isinstance(t["met"], bool) for t in data["targets"].values())
+    assert len(data["round_pair_added_ms"]) == data["workload"]["rounds"]
+    if layout == "isolated":  # the gateway and Redis got the second half of the CPUs, the rest the first half
+        half = len(cpus) // 2
+        assert data["cpu_layout"] == {"layout": "isolated", "gateway_and_redis": cpus[half:],
+                                      "clients_and_replica": cpus[:half]}  # fmt: skip
+    assert os.sched_getaffinity(0) == set(cpus)  # the test process got its CPUs back
+
+
+def test_added_latency_is_met_only_when_every_round_pair_agrees() -> None:
+    rounds = [{"round": k, "side": side, "ttft_p50_ms": p50, "ttft_p99_ms": p99}
+              for k, (d, g) in enumerate([((500.0, 800.0), (498.0, 790.0)), ((480.0, 700.0), (540.0, 760.0))])
+              for side, (p50, p99) in (("direct", d), ("gateway", g))]  # fmt: skip
+    pairs = overhead.pair_differences(rounds)
+    assert pairs == [
+        {"round": 0, "ttft_p50_ms": -2.0, "ttft_p99_ms": -10.0},
+        {"round": 1, "ttft_p50_ms": 60.0, "ttft_p99_ms": 60.0},
+    ]
+    pooled = lambda p50, p99: {m: {"p50": p50, "p99": p99} for m in ("ttft_ms", "e2e_ms")}  # noqa: E731
+    # pooled under the limits, but the second pair added 60 ms: the run shows nothing either way
+    verdict = overhead.added_latency_verdict
+    assert verdict(pooled(1.0, 5.0), pairs) == {"met": False, "inconclusive": True}
+    assert verdict(pooled(1.0, 5.0), pairs[:1]) == {"met": True, "inconclusive": False}
+    assert verdict(pooled(30.0, 5.0), pairs[:1]) == {"met": False, "inconclusive": False}
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------
