@@ -78,7 +78,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         registry = AsyncRegistry.from_url(
-            config.redis_url, max_concurrent_ops=config.max_redis_connections,
+            config.redis_url, max_concurrent_ops=config.max_concurrent_redis_ops,
             socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
         )  # fmt: skip
         calls = RedisCalls(registry, metrics)

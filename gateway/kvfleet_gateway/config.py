@@ -33,7 +33,7 @@ class GatewayConfig:
     max_upstream_connections: int = 2000
     # Redis operations in flight: more wait, first come first served (one Redis server runs one command at
     # a time, so more connections add no throughput, only file descriptors and server-side clients).
-    max_redis_connections: int = 32
+    max_concurrent_redis_ops: int = 32
 
     def __post_init__(self) -> None:
         if self.default_policy not in POLICIES:

@@ -154,8 +154,7 @@ class Proxy:
             r.status = e.status
             self._finish(r, span)
             raise
-        except BaseException:
-            r.status = r.status or 499
+        except BaseException:  # cancelled (the client left) or a bug: the span still ends
             span.end()
             raise
         if not isinstance(response, _StreamRelay):
