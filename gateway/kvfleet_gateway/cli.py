@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
 from kvfleet_gateway.routing import POLICIES
 
 
@@ -58,17 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a prefix this gateway routed counts as cached on that replica before the KV index "
         "confirms it (0: trust only the index)",
     )
-    p.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=75.0,
-        help="seconds an idle client connection stays open; keep it above the idle timeout of the load "
-        "balancer in front (60 s on most), so the balancer, not the gateway, closes idle connections",
-    )
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="event loop: asyncio (default) accepts every pending connection when the socket wakes it; uvloop "
-                        "(libuv) accepts one per loop iteration, so under load a burst of ~100 new connections "
-                        "waited up to 3 s for a busy server (bench/gateway_overhead.py), for no CPU saved")  # fmt: skip
+    add_connection_args(p, closes_first="the load balancer in front (60 s on most)")
     p.add_argument("--log-level", default="info")
     return p  # fmt: skip
 
@@ -114,5 +105,5 @@ def main(argv: list[str]) -> int:
     except ImportError:
         pass
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30, timeout_keep_alive=max(1, round(args.keep_alive_timeout)), loop=args.loop)  # fmt: skip
+                timeout_graceful_shutdown=30, **uvicorn_connection_options(args))  # fmt: skip
     return 0

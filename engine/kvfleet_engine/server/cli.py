@@ -19,6 +19,7 @@ import sys
 
 import uvicorn
 
+from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
 from kvfleet_engine.cli import add_engine_args, engine_kwargs
 
 logger = logging.getLogger("kvfleet_engine.server")
@@ -41,13 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
-    p.add_argument("--keep-alive-timeout", type=float, default=75.0,
-                   help="seconds an idle client connection stays open (longer than the gateway's 60 s, so the "
-                        "gateway, not the replica, closes idle connections: no request races a close)")  # fmt: skip
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="event loop: asyncio (default) accepts every pending connection when the socket wakes it; uvloop "
-                        "(libuv) accepts one per loop iteration, so under load a burst of ~100 new connections "
-                        "waited up to 3 s for a busy server (bench/gateway_overhead.py), for no CPU saved")  # fmt: skip
+    add_connection_args(p, closes_first="the gateway's upstream pool (60 s)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -93,9 +88,8 @@ def serve_main(argv: list[str]) -> int:
             log_level=args.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=int(args.shutdown_timeout),
-            timeout_keep_alive=max(1, round(args.keep_alive_timeout)),
             lifespan="on",
-            loop=args.loop,
+            **uvicorn_connection_options(args),
         ),
         app,
     )

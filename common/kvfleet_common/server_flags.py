@@ -1,0 +1,28 @@
+"""Flags both HTTP servers (an engine replica, the gateway) take for their connections, and the uvicorn
+options they become."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+KEEP_ALIVE_S = 75.0  # above the gateway's 60 s upstream pool and the 60 s of most load balancers
+
+
+def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> None:
+    """``--keep-alive-timeout`` and ``--loop``; ``closes_first`` names who should close idle connections."""
+    parser.add_argument(
+        "--keep-alive-timeout", type=float, default=KEEP_ALIVE_S,
+        help=f"seconds an idle client connection stays open (default {KEEP_ALIVE_S:g}); keep it above the idle "
+             f"timeout of {closes_first}, so that side closes idle connections and no request races a close",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="asyncio",
+        help="event loop: asyncio (default) accepts every pending connection when the socket wakes it; uvloop "
+             "(libuv) accepts one per loop iteration, so under load a burst of ~100 new connections waited up "
+             "to 3 s for a busy server (bench/gateway_overhead.py), for no CPU saved",
+    )  # fmt: skip
+
+
+def uvicorn_connection_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"timeout_keep_alive": max(1, round(args.keep_alive_timeout)), "loop": args.loop}
