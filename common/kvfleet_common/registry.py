@@ -899,20 +899,33 @@ def op_report_gateway(
         ("ZADD", keys.gateways(), repr(now), gateway_id),
         ("ZREMRANGEBYSCORE", keys.gateways(), "-inf", repr(now - 6 * keys.GATEWAY_LOAD_TTL_S)),
     ]
-    window = keys.ratelimit  # the tokens/min window of the minute the request finished in
-    minute = int(now // keys.RATELIMIT_WINDOW_S)
-    for u in usage:
-        k = keys.usage(u.tenant)
-        counts = (1, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-        for name, n in zip(USAGE_COUNTERS, counts):
-            cmds += [
-                ("HINCRBY", k, name, int(n)),
-                ("HINCRBY", k, f"{keys.check_name(u.model, 'model')}|{name}", int(n)),
-            ]
-        w = window(u.tenant, minute)
-        cmds += [("HINCRBY", w, "tokens", int(u.prompt_tokens + u.completion_tokens)),
+    minute = int(now // keys.RATELIMIT_WINDOW_S)  # the tokens/min window of the minute requests finished in
+    for tenant, models in _usage_totals(usage).items():
+        k = keys.usage(tenant)
+        tenant_total = [0] * len(USAGE_COUNTERS)
+        for model, counts in models.items():
+            prefix = keys.check_name(model, "model")
+            for i, (name, n) in enumerate(zip(USAGE_COUNTERS, counts)):
+                tenant_total[i] += n
+                cmds.append(("HINCRBY", k, f"{prefix}|{name}", n))
+        cmds += [("HINCRBY", k, name, n) for name, n in zip(USAGE_COUNTERS, tenant_total)]
+        w = keys.ratelimit(tenant, minute)
+        cmds += [("HINCRBY", w, "tokens", tenant_total[1] + tenant_total[2]),
                  ("EXPIRE", w, keys.RATELIMIT_TTL_S)]  # fmt: skip
     yield Batch(cmds, transaction=True)
+
+
+def _usage_totals(usage: Sequence[UsageRecord]) -> dict[str, dict[str, list[int]]]:
+    """tenant -> model -> summed ``USAGE_COUNTERS``: a report carries one increment per counter, however
+    many requests finished since the last one (at 100 streams that is tens of requests per report)."""
+    totals: dict[str, dict[str, list[int]]] = {}
+    for u in usage:
+        counts = totals.setdefault(u.tenant, {}).setdefault(u.model, [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += int(u.prompt_tokens)
+        counts[2] += int(u.completion_tokens)
+        counts[3] += int(u.cached_tokens)
+    return totals
 
 
 def op_remove_gateway(gateway_id: str) -> Op:

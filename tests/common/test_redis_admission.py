@@ -7,6 +7,7 @@ from test_redis_registry import BS, MODEL, CountingConnection, register
 from test_redis_registry import reg as reg  # the fixture
 
 from kvfleet_common import redis_keys as keys
+from kvfleet_common import registry as _ops
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.registry import Admission, Registry, UsageRecord, rate_retry_after
 from kvfleet_common.schemas import TenantRecord
@@ -62,6 +63,30 @@ def test_tokens_per_minute_are_charged_from_reported_usage(reg):
     }
     assert usage["models"] == {MODEL: usage["total"]}
     assert usage["this_minute"] == {"requests": 1, "tokens": 100}
+
+
+def test_a_report_sums_many_finished_requests_into_one_increment_per_counter(reg):
+    records = [UsageRecord("acme", MODEL, 10, 5, cached_tokens=8)] * 40 + [
+        UsageRecord("acme", "other", 1, 2)
+    ] * 3
+    records += [UsageRecord("zeta", MODEL, 7, 1)]
+    cmds = next(iter(_ops.op_report_gateway("gw-a", {}, {}, records, NOW))).commands
+    # 2 tenants x (4 totals + 4 per model + window tokens + its expiry), acme with 2 models: independent of
+    # the 44 requests
+    assert sum(1 for c in cmds if c[0] == "HINCRBY") == (4 + 8 + 1) + (4 + 4 + 1)
+    reg.report_gateway("gw-a", {}, {}, records, now=NOW)
+    usage = reg.tenant_usage(["acme", "zeta"], now=NOW)
+    assert usage["acme"]["total"] == {"requests": 43, "prompt_tokens": 403, "completion_tokens": 206,
+                                      "cached_tokens": 320}  # fmt: skip
+    assert usage["acme"]["models"]["other"] == {"requests": 3, "prompt_tokens": 3, "completion_tokens": 6,
+                                                "cached_tokens": 0}  # fmt: skip
+    assert usage["acme"]["this_minute"]["tokens"] == 403 + 206
+    assert usage["zeta"]["total"] == {
+        "requests": 1,
+        "prompt_tokens": 7,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+    }
 
 
 def test_concurrency_sums_live_gateways_and_the_local_count(reg):
