@@ -1,20 +1,32 @@
 """Gateway overhead benchmark: the same streamed requests sent straight to an engine replica and through the
-gateway, in alternating rounds, against a zero-cost simulated replica.
+gateway, in alternating rounds, against a simulated replica that costs no compute.
 
-Fleet: a real Redis, one ``kvfleet engine serve --simulate`` replica with every ``--sim-*`` cost 0 (its steps
-cost only the engine's own bookkeeping, so latency is what the HTTP/SSE stack and the router add), and one
-``kvfleet gateway`` (default policy prefix-aware) with a tenant that has no limits.
+Fleet: a real Redis, one ``kvfleet engine serve --simulate`` replica with no prefill or per-sequence cost
+(latency is what the HTTP/SSE stack and the router add), and one ``kvfleet gateway`` (default policy
+prefix-aware) with a tenant that has no limits.
 
-Load: ``--concurrency`` (100) streaming clients (asyncio + httpx, one connection pool per target), each sending
-``--requests-per-client`` chat requests back to back (closed loop): a short unique user message (~20 tokens
-through the chat template) and ``--output-len`` (16) tokens, ``stream_options.include_usage``. Rounds
-alternate direct -> gateway -> direct -> ... (``--rounds`` pairs), so slow drifts of the shared machine hit
-both sides alike; client ``i``'s ``j``-th request carries the same prompt in both rounds of a pair.
+Two loads (``--load``), each with short unique chat messages (~20 tokens through the chat template) streamed
+with ``stream_options.include_usage``; rounds alternate direct -> gateway -> direct -> ... (``--rounds``
+pairs), so slow drifts of the shared machine hit both sides alike, and both rounds of a pair send the same
+prompts (at the same times):
+
+- ``paced`` (default): 100 streams in flight, as on a GPU replica serving 100 users. The replica's decode step
+  takes ``--step-ms`` (50 ms: a sleep, no CPU) and each request streams ``--output-len`` (64) tokens;
+  requests arrive open-loop (Poisson) at the rate that keeps ``--concurrency`` (100) streams in flight
+  (Little's law; the measured mean and peak are reported). Open-loop arrivals, because closed-loop clients
+  lock onto the replica's step boundaries and the wait for the next step would hide what the gateway adds
+  on the way in. The machine has CPU to spare here, so the difference is the gateway's own latency.
+- ``closed``: a zero-time replica (every ``--sim-*`` cost 0) and ``--concurrency`` (100) clients each sending
+  ``--requests-per-client`` (5) requests of ``--output-len`` (16) tokens back to back. This saturates the
+  machine: the rounds run as fast as the CPUs allow, so on a machine where the clients, the replica and the
+  gateway share the CPUs the added latency is the gateway's CPU per request times the queue it joins
+  (~100 x CPU / cores), a capacity figure rather than a latency one. Client ``i``'s ``j``-th request carries
+  the same prompt in both rounds of a pair; a sequential reference (below) runs first.
 
 Reported: TTFT (first chunk with text) and end-to-end latency percentiles per side, pooled over rounds;
 added latency = gateway percentile - direct percentile (p50, p99), plus the median of per-request paired
 differences and per-round p50s (noise); a sequential reference (concurrency 1, alternating per request:
-the gateway's own cost without queueing); the gateway's ``kvfleet_gateway_routing_overhead_seconds``
+the gateway's own cost without queueing; ``closed`` only); the gateway's ``kvfleet_gateway_routing_overhead_seconds``
 (arrival -> upstream request sent); CPU seconds per request of the gateway, the engine and the client
 (``/proc``); Redis round trips per gateway request from ``kvfleet_gateway_redis_round_trips_total``
 (``path="request"`` and ``path="background"``, deltas over the gateway rounds) and Redis's own
@@ -29,10 +41,11 @@ replica's time, and the added latency grows with the concurrency (see docs/BENCH
 ``--profile`` then samples the gateway with py-spy (when installed) during extra gateway rounds and reports
 where its CPU time goes (self and inclusive time per function, and per library).
 
-Targets (issue): added latency p50 <= 2 ms and p99 <= 10 ms at 100 concurrent streams; at most 2 Redis round
-trips per request.
+Targets (issue): added latency p50 <= 2 ms and p99 <= 10 ms at 100 concurrent streams (the ``paced`` load);
+at most 2 Redis round trips per request.
 
-    .venv/bin/python bench/gateway_overhead.py                 # 100 streams x 5 requests x 3 round pairs
+    .venv/bin/python bench/gateway_overhead.py                 # paced: 100 streams in flight, 3 round pairs
+    .venv/bin/python bench/gateway_overhead.py --load closed   # saturated: 100 clients x 5 requests x 3 pairs
     .venv/bin/python bench/gateway_overhead.py --profile
     .venv/bin/python bench/gateway_overhead.py --quick         # smoke test
 """
@@ -43,6 +56,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import re
 import shlex
 import shutil
@@ -69,6 +83,9 @@ TARGET_P50_MS = 2.0
 TARGET_P99_MS = 10.0
 TARGET_REDIS_ROUND_TRIPS = 2.0
 ZERO_COST = fleet_mod.SimCost(0.0, 0.0, 0.0, 0.0)
+PACED_STEP_MS = (
+    50.0  # a decode step with ~100 sequences in the batch (a large model; 2,000 tokens/s to relay)
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,14 +93,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     common.add_model_args(p, default_preset="tiny")
-    p.add_argument("--quick", action="store_true", help="smoke test: 8 streams x 2 requests, 1 round pair")
-    p.add_argument("--concurrency", type=int, default=None, help="concurrent streaming clients (default 100)")
-    p.add_argument("--requests-per-client", type=int, default=None, help="per client per round (default 5)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 8 streams, 1 round pair")
+    p.add_argument("--load", choices=("paced", "closed"), default="paced",
+                   help="paced: open-loop arrivals holding --concurrency streams in flight on a replica whose\n"
+                        "decode step takes --step-ms (default); closed: --concurrency clients back to back\n"
+                        "on a zero-time replica (saturates the machine)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=None, help="streams in flight / clients (default 100)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help=f"paced: the replica's decode step (default {PACED_STEP_MS:g}; quick 5)")  # fmt: skip
+    p.add_argument("--requests-per-round", type=int, default=None,
+                   help="paced: requests per round and side (default 600; quick 16)")  # fmt: skip
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="closed: per client per round (default 5)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=None, help="direct/gateway round pairs (default 3)")
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=None, help="tokens per request (paced 64, closed 16)")
     p.add_argument("--prompt-words", type=int, default=12, help="words in each user message")
     p.add_argument("--reference-requests", type=int, default=None,
-                   help="sequential requests per side at concurrency 1 (default 50; quick 4)")  # fmt: skip
+                   help="closed: sequential requests per side at concurrency 1 (default 50; quick 4)")  # fmt: skip
     p.add_argument(
         "--warmup-requests", type=int, default=None, help="per side, before measuring (default 100)"
     )
@@ -101,13 +127,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="JSON output (default bench/results/gateway_overhead.json)")
     args = p.parse_args(argv)
-    for k, (q, full) in {"concurrency": (8, 100), "requests_per_client": (2, 5), "rounds": (1, 3),
-                         "reference_requests": (4, 50), "warmup_requests": (8, 100)}.items():  # fmt: skip
+    paced = args.load == "paced"
+    defaults = {"concurrency": (8, 100), "requests_per_client": (2, 5), "rounds": (1, 3),
+                "requests_per_round": (16, 600), "step_ms": (5.0, PACED_STEP_MS),
+                "output_len": ((8, 64) if paced else (16, 16)),
+                "reference_requests": ((0, 0) if paced else (4, 50)), "warmup_requests": (8, 100)}  # fmt: skip
+    for k, (q, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, q if args.quick else full)
-    for k in ("concurrency", "requests_per_client", "rounds", "output_len", "prompt_words"):
+    for k in (
+        "concurrency",
+        "requests_per_client",
+        "requests_per_round",
+        "rounds",
+        "output_len",
+        "prompt_words",
+    ):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if not args.step_ms > 0:
+        p.error("--step-ms must be > 0")
     args.gateway_env = fleet_mod.parse_env(p, args.gateway_env, "--gateway-env")
     return args
 
@@ -131,6 +170,7 @@ class Sample:
     ttft: float | None
     e2e: float | None
     error: str | None
+    start: float = 0.0  # seconds into the round (open loop)
 
 
 def body(prompt: str, output_len: int) -> dict[str, Any]:
@@ -154,6 +194,52 @@ async def closed_loop(
     t0 = time.perf_counter()
     per_client = await asyncio.gather(*(one_client(i) for i in range(len(prompts))))
     return [s for c in per_client for s in c], time.perf_counter() - t0
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """``count`` Poisson arrival offsets (seconds from the round's start) at ``rate`` per second."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def paced_rate(args: argparse.Namespace) -> float:
+    """Arrivals per second that keep ``--concurrency`` streams in flight (Little's law): a stream lasts about
+    half a step (to the next step) plus one step per token."""
+    return args.concurrency / ((args.output_len + 0.5) * args.step_ms / 1e3)
+
+
+def in_flight(spans: Sequence[tuple[float, float]], wall: float) -> dict[str, float]:
+    """Mean (time-weighted) and peak number of ``(start, end)`` intervals open at once."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    now = peak = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return {"mean": round(sum(b - a for a, b in spans) / wall, 1) if wall > 0 else 0.0, "peak": peak}
+
+
+async def open_loop(
+    client: Any, side: str, rnd: int, prompts: list[str], arrivals: list[float], output_len: int
+) -> tuple[list[Sample], float, dict[str, float]]:
+    """Request ``i`` (``prompts[i]``) starts at ``arrivals[i]`` seconds into the round, whatever the others do.
+    Returns the samples, the round's wall time and the streams in flight (mean, peak)."""
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> Sample:
+        delay = t0 + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(prompts[i], output_len))
+        return Sample(side, rnd, i, 0, r.ok, r.ttft, r.e2e, r.error, r.sent - t0)
+
+    samples = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    wall = time.perf_counter() - t0
+    spans = [(s.start, s.start + s.e2e) for s in samples if s.e2e is not None]
+    return list(samples), wall, in_flight(spans, wall)
 
 
 @dataclass(slots=True)
@@ -225,8 +311,11 @@ def make_prompts(
 async def measure(
     fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str]
 ) -> dict[str, Any]:
-    """Warm-up, the sequential reference, then alternating rounds with counters taken around each."""
+    """Warm-up, the sequential reference (closed load), then alternating rounds with counters taken around
+    each."""
     assert fl.api_key is not None
+    paced = args.load == "paced"
+    rate = paced_rate(args)
     direct = fleet_mod.make_client(fl.engine_urls[0], None, 120.0)
     gateway = fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0)
     clients = {"direct": direct, "gateway": gateway}
@@ -234,8 +323,13 @@ async def measure(
         warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
         width = min(args.concurrency, len(warm)) or 1
         for side, c in clients.items():
-            chunks = [warm[i::width] for i in range(width)]
-            samples, _ = await closed_loop(c, side, -1, chunks, args.output_len)
+            if paced:
+                arrivals = arrival_times(len(warm), rate, args.seed)
+                samples, _, _ = await open_loop(c, side, -1, warm, arrivals, args.output_len)
+            else:
+                samples, _ = await closed_loop(
+                    c, side, -1, [warm[i::width] for i in range(width)], args.output_len
+                )
             if not any(s.ok for s in samples):
                 raise RuntimeError(f"every warm-up request to the {side} side failed: {samples[0].error}")
 
@@ -251,17 +345,22 @@ async def measure(
         rounds: list[dict[str, Any]] = []
         samples: list[Sample] = []
         counters: dict[str, dict[str, Any]] = {"direct": {}, "gateway": {}}
-        per_round = args.concurrency * args.requests_per_client
+        per_round = args.requests_per_round if paced else args.concurrency * args.requests_per_client
         for k in range(args.rounds):
             texts = make_prompts(args, tokenizer, words, per_round, 10 + k)
+            arrivals = arrival_times(per_round, rate, args.seed * 1000 + k)
             prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
                        for i in range(args.concurrency)]  # fmt: skip
             for side, c in clients.items():
-                common.log(
-                    f"round {k + 1}/{args.rounds}: {side}, {args.concurrency} streams x {args.requests_per_client}"
-                )
+                what = (f"{per_round} requests at {rate:.1f}/s" if paced
+                        else f"{args.concurrency} streams x {args.requests_per_client}")  # fmt: skip
+                common.log(f"round {k + 1}/{args.rounds}: {side}, {what}")
                 before = Snapshot.take(fl)
-                got, wall = await closed_loop(c, side, k, prompts, args.output_len)
+                streams: dict[str, float] = {}
+                if paced:
+                    got, wall, streams = await open_loop(c, side, k, texts, arrivals, args.output_len)
+                else:
+                    got, wall = await closed_loop(c, side, k, prompts, args.output_len)
                 d = delta(before, Snapshot.take(fl))
                 counters[side] = _add(counters[side], d)
                 samples.extend(got)
@@ -269,7 +368,7 @@ async def measure(
                 rounds.append({
                     "round": k, "side": side, "requests": len(got), "ok": sum(s.ok for s in got), "wall_s": wall,
                     "ttft_p50_ms": _ms(sc.percentile(ttft, 50)), "ttft_p99_ms": _ms(sc.percentile(ttft, 99)),
-                    "loadavg": common.loadavg(),
+                    "streams_in_flight": streams, "loadavg": common.loadavg(),
                 })  # fmt: skip
     return {"reference": ref, "reference_counters": ref_counters, "samples": samples, "rounds": rounds,
             "counters": counters}  # fmt: skip
@@ -443,10 +542,17 @@ async def _profile_rounds(
     n = 0
     async with fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0) as c:
         for k in range(args.profile_rounds):
-            texts = make_prompts(args, tokenizer, words, args.concurrency * args.requests_per_client, 50 + k)
-            prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
-                       for i in range(args.concurrency)]  # fmt: skip
-            got, _ = await closed_loop(c, "gateway", k, prompts, args.output_len)
+            if args.load == "paced":
+                texts = make_prompts(args, tokenizer, words, args.requests_per_round, 50 + k)
+                arrivals = arrival_times(len(texts), paced_rate(args), args.seed * 1000 + 50 + k)
+                got, _, _ = await open_loop(c, "gateway", k, texts, arrivals, args.output_len)
+            else:
+                texts = make_prompts(
+                    args, tokenizer, words, args.concurrency * args.requests_per_client, 50 + k
+                )
+                prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
+                           for i in range(args.concurrency)]  # fmt: skip
+                got, _ = await closed_loop(c, "gateway", k, prompts, args.output_len)
             n += len(got)
     return n
 
@@ -491,9 +597,11 @@ def _f(x: Any, digits: int = 2) -> str:
 
 def render(result: dict[str, Any]) -> None:
     rows = []
-    for label, stats in (("100-stream rounds" if result["workload"]["concurrency"] == 100
-                          else f"{result['workload']['concurrency']}-stream rounds", result["stats"]),
-                         ("sequential reference", result["reference"])):  # fmt: skip
+    w = result["workload"]
+    sections = [(f"{w['concurrency']} streams, {w['load']}", result["stats"])]
+    if result["reference"]["direct"]["requests"]:
+        sections.append(("sequential reference", result["reference"]))
+    for label, stats in sections:
         for side in ("direct", "gateway"):
             s = stats[side]
             rows.append([label, side, f"{s['ok']}/{s['requests']}", _f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"]["p99"]),
@@ -515,15 +623,20 @@ def render(result: dict[str, Any]) -> None:
         notes.append(f"CPU ms per request: gateway {g['gateway']:.2f}, engine {g['engine']:.2f}, client "
                      f"{g['client']:.2f} (through the gateway); engine {d['engine']:.2f}, client {d['client']:.2f} "
                      "(direct)")  # fmt: skip
+    if w["load"] == "paced":
+        flight = [r["streams_in_flight"] for r in result["rounds"] if r["streams_in_flight"]]
+        notes.append(f"paced load: {w['arrival_rate_per_s']:.1f} requests/s (Poisson), streams in flight per round: "
+                     + ", ".join(f"mean {f['mean']:.0f} / peak {f['peak']}" for f in flight)
+                     + f"; {w['replica']}")  # fmt: skip
     ro, rr = result["gateway_routing_overhead_ms"], result["reference_routing_overhead_ms"]
     notes.append(f"gateway's own routing overhead (arrival -> upstream request sent, its histogram): "
-                 f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds; "
-                 f"p50 {_f(rr['p50'])} ms, p99 {_f(rr['p99'])} ms sequential")  # fmt: skip
+                 f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds"
+                 + (f"; p50 {_f(rr['p50'])} ms, p99 {_f(rr['p99'])} ms sequential" if rr["p50"] is not None else ""))  # fmt: skip
     ref_cpu = result["reference_per_gateway_request"].get("cpu_ms")
     if ref_cpu:
         notes.append(f"sequential: gateway CPU {ref_cpu['gateway']:.2f} ms per request")
     p = result["stats"]["paired_ms"]
-    notes.append(f"paired differences (same prompt, same client slot): TTFT p50 {_f(p['ttft']['p50'])} ms, "
+    notes.append(f"paired differences (same prompt and slot or arrival time): TTFT p50 {_f(p['ttft']['p50'])} ms, "
                  f"E2E p50 {_f(p['e2e']['p50'])} ms")  # fmt: skip
     for name, t in result["targets"].items():
         verdict = "met" if t["met"] else "NOT met"
@@ -591,6 +704,19 @@ def added_latency_verdict(added: dict[str, Any], pairs: list[dict[str, float]]) 
     return {"met": pooled_ok and every_pair_ok, "inconclusive": pooled_ok and not every_pair_ok}
 
 
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    common_part = {"load": args.load, "rounds": args.rounds, "output_len": args.output_len,
+                   "prompt_words": args.prompt_words, "endpoint": "chat"}  # fmt: skip
+    if args.load == "paced":
+        return {**common_part, "concurrency": args.concurrency, "requests_per_round": args.requests_per_round,
+                "arrival_rate_per_s": round(paced_rate(args), 3), "arrivals": "poisson (open loop)",
+                "replica": f"kvfleet engine serve --simulate, decode step {args.step_ms:g} ms (a sleep), "
+                           "no prefill or per-sequence cost"}  # fmt: skip
+    return {**common_part, "concurrency": args.concurrency, "requests_per_client": args.requests_per_client,
+            "arrivals": "closed loop, no think time",
+            "replica": "kvfleet engine serve --simulate, every --sim-* cost 0"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     busy = common.busy_machine_warning()
@@ -602,14 +728,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": NAME, "command": command_line(argv),
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "workload": {"concurrency": args.concurrency, "requests_per_client": args.requests_per_client,
-                     "rounds": args.rounds, "output_len": args.output_len, "prompt_words": args.prompt_words,
-                     "endpoint": "chat", "replica": "kvfleet engine serve --simulate, every --sim-* cost 0"},
+        "workload": workload(args),
         "env": common.env_info(), "notes": [busy] if busy else [],
     }  # fmt: skip
-    with fleet_mod.Fleet(
-        model_dir, MODEL, log_dir, 1, ZERO_COST, 4096, 1024, gateway_env=args.gateway_env
-    ) as fl:
+    cost = fleet_mod.SimCost(0.0, args.step_ms, 0.0, 0.0) if args.load == "paced" else ZERO_COST
+    with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, gateway_env=args.gateway_env) as fl:
         result["boot_s"] = fl.boot("prefix-aware")
         own_cpus = os.sched_getaffinity(0)
         result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)

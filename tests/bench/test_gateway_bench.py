@@ -101,21 +101,30 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
     )
 
 
-def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model) -> None:
+@pytest.mark.parametrize("load", ["paced", "closed"])
+def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: str) -> None:
     out = tmp_path / "overhead.json"
     cpus = sorted(os.sched_getaffinity(0))
-    layout = "isolated" if len(cpus) >= 2 else "shared"
-    argv = ["--quick", "--model", str(demo_model(preset="tiny")), "--log-dir", str(tmp_path / "logs"),
-            "--out", str(out), "--cpu-layout", layout]  # fmt: skip
+    layout = "isolated" if len(cpus) >= 2 and load == "closed" else "shared"
+    argv = ["--quick", "--load", load, "--model", str(demo_model(preset="tiny")), "--log-dir",
+            str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout]  # fmt: skip
     result = overhead.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
-    n = data["workload"]["concurrency"] * data["workload"]["requests_per_client"] * data["workload"]["rounds"]
+    w = data["workload"]
+    assert w["load"] == load
+    n = w["rounds"] * (
+        w["requests_per_round"] if load == "paced" else w["concurrency"] * w["requests_per_client"]
+    )
     for side in ("direct", "gateway"):
         s = data["stats"][side]
         assert s["requests"] == s["ok"] == n and s["errors"] == {}
         assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
         assert data["reference"][side]["ok"] == data["config"]["reference_requests"]
+    assert data["config"]["reference_requests"] == (0 if load == "paced" else 4)
+    if load == "paced":  # every request of a round was timed, with the streams in flight measured
+        assert all(r["streams_in_flight"]["peak"] >= 1 for r in data["rounds"])
+        assert w["arrival_rate_per_s"] == pytest.approx(8 / ((8 + 0.5) * 0.005), rel=1e-3)
     assert set(data["stats"]["added_ms"]) == {"ttft_ms", "e2e_ms"}
     assert data["stats"]["paired_ms"]["ttft"]["n"] == n
     per = data["per_gateway_request"]
@@ -134,6 +143,28 @@ def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model) -> None
         assert data["cpu_layout"] == {"layout": "isolated", "gateway_and_redis": cpus[half:],
                                       "clients_and_replica": cpus[:half]}  # fmt: skip
     assert os.sched_getaffinity(0) == set(cpus)  # the test process got its CPUs back
+
+
+def test_paced_arrivals_hold_the_concurrency_asked_for() -> None:
+    args = overhead.parse_args(["--concurrency", "100", "--step-ms", "50", "--output-len", "64"])
+    assert args.load == "paced" and args.reference_requests == 0
+    rate = overhead.paced_rate(args)
+    assert rate == pytest.approx(100 / (64.5 * 0.05))  # Little's law: in flight = rate x stream duration
+    arrivals = overhead.arrival_times(20_000, rate, seed=3)
+    assert arrivals == sorted(arrivals) and arrivals == overhead.arrival_times(20_000, rate, seed=3)
+    assert len(arrivals) / arrivals[-1] == pytest.approx(rate, rel=0.03)  # Poisson at that rate
+    closed = overhead.parse_args(["--load", "closed"])
+    assert (closed.output_len, closed.reference_requests, closed.requests_per_client) == (16, 50, 5)
+
+
+def test_streams_in_flight_mean_and_peak() -> None:
+    # [0,2] [1,3] [1.5,2.5] [4,5]: three open at 1.5-2; 6 s of streams in a 5 s round
+    spans = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5), (4.0, 5.0)]
+    assert overhead.in_flight(spans, 5.0) == {"mean": 1.2, "peak": 3}
+    assert (
+        overhead.in_flight([(0.0, 1.0), (1.0, 2.0)], 2.0)["peak"] == 1
+    )  # an end before a start at the same time
+    assert overhead.in_flight([], 1.0) == {"mean": 0.0, "peak": 0}
 
 
 def test_added_latency_is_met_only_when_every_round_pair_agrees() -> None:
