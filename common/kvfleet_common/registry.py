@@ -910,7 +910,7 @@ def op_report_gateway(
                 cmds.append(("HINCRBY", k, f"{prefix}|{name}", n))
         cmds += [("HINCRBY", k, name, n) for name, n in zip(USAGE_COUNTERS, tenant_total)]
         w = keys.ratelimit(tenant, minute)
-        cmds += [("HINCRBY", w, "tokens", tenant_total[1] + tenant_total[2]),
+        cmds += [("HINCRBY", w, "tokens", tenant_total[1] + tenant_total[2]),  # prompt + completion
                  ("EXPIRE", w, keys.RATELIMIT_TTL_S)]  # fmt: skip
     yield Batch(cmds, transaction=True)
 

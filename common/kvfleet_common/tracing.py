@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -51,6 +52,20 @@ def setup_tracing(service_name: str) -> TracerProvider:
     trace.set_tracer_provider(provider)
     _configured = True
     return provider
+
+
+def start_request_span(
+    tracer: trace.Tracer, name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]
+) -> trace.Span:
+    """The span of one served request: its server span, continuing the caller's trace (``traceparent``), or,
+    when an HTTP instrumentation already opened a server span for the request, that span's child."""
+    nested = trace.get_current_span().get_span_context().is_valid
+    return tracer.start_span(
+        name,
+        context=None if nested else extract_context(headers),
+        kind=trace.SpanKind.INTERNAL if nested else trace.SpanKind.SERVER,
+        attributes=attributes,
+    )
 
 
 def extract_context(headers: Mapping[str, str]) -> Context:

@@ -29,7 +29,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from kvfleet_common import redis_keys
 from kvfleet_common.hashing import hash_blocks
@@ -37,7 +36,7 @@ from kvfleet_common.http import ApiError
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvfleet_common.registry import Admission, AdmitResult, UsageRecord, rate_retry_after
 from kvfleet_common.schemas import Heartbeat, TenantRecord
-from kvfleet_common.tracing import extract_context, inject_headers
+from kvfleet_common.tracing import inject_headers, start_request_span
 from kvfleet_gateway.config import GatewayConfig
 from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable
 from kvfleet_gateway.load import LoadTracker, Ticket
@@ -147,15 +146,10 @@ class Proxy:
         # span, continuing the client's trace (the HTTP instrumentation skips the proxied endpoints: a
         # second span per request, and a wrapper around every relayed event, cost ~10 % of the gateway's
         # CPU); under an HTTP server span of some other instrumentation it is that span's child.
-        nested = trace.get_current_span().get_span_context().is_valid
-        span = tracer.start_span(
-            "kvfleet.gateway.route",
-            context=None if nested else extract_context(raw.headers),
-            kind=SpanKind.INTERNAL if nested else SpanKind.SERVER,
-            attributes={"kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model,
-                        "kvfleet.endpoint": endpoint, "kvfleet.request_id": r.request_id,
-                        "http.request.method": "POST", "http.route": raw.scope["path"]},
-        )  # fmt: skip
+        span = start_request_span(tracer, "kvfleet.gateway.route", raw.headers, {
+            "kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model, "kvfleet.endpoint": endpoint,
+            "kvfleet.request_id": r.request_id, "http.request.method": "POST", "http.route": raw.scope["path"],
+        })  # fmt: skip
         try:
             with trace.use_span(span, end_on_exit=False):
                 response = await self._route_and_send(r, body, raw, span)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from kvfleet_common.http import ApiError
 from kvfleet_common.openai_protocol import (
@@ -40,7 +40,7 @@ from kvfleet_common.openai_protocol import (
     Usage,
     error_body,
 )
-from kvfleet_common.tracing import extract_context
+from kvfleet_common.tracing import start_request_span
 from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbortedError
 from kvfleet_engine.core_client import EngineDeadError
 from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -230,16 +230,12 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _start_span(self, rec: RequestRecord, raw: Request):
-        # FastAPI may already run an HTTP server span for this request (its built-in telemetry):
-        # then ours is its child; otherwise ours is the server span, continuing the caller's trace.
-        current = trace.get_current_span()
-        nested = current.get_span_context().is_valid
-        span = tracer.start_span(
-            f"engine {rec.endpoint}",
-            context=None if nested else extract_context(raw.headers),
-            kind=SpanKind.INTERNAL if nested else SpanKind.SERVER,
-            attributes={"kvfleet.request_id": rec.request_id, "gen_ai.request.model": self.model_name},
-        )
+        # FastAPI's built-in telemetry may already run an HTTP server span for this request: then ours is
+        # its child; otherwise ours is the server span, continuing the caller's trace.
+        span = start_request_span(
+            tracer, f"engine {rec.endpoint}", raw.headers,
+            {"kvfleet.request_id": rec.request_id, "gen_ai.request.model": self.model_name},
+        )  # fmt: skip
         span.add_event("queued")
         return span
 
