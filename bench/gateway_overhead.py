@@ -242,6 +242,23 @@ async def open_loop(
     return list(samples), wall, in_flight(spans, wall)
 
 
+async def run_round(
+    client: Any, side: str, rnd: int, texts: list[str], args: argparse.Namespace, seed: int
+) -> tuple[list[Sample], float, dict[str, float]]:
+    """One round of ``texts`` under ``--load``: open-loop Poisson arrivals (``seed``) at the paced rate, or
+    ``--concurrency`` clients each sending its consecutive share back to back (client ``i``'s ``j``-th request
+    is ``texts[i * share + j]``). Returns samples, wall time and streams in flight (paced only)."""
+    if args.load == "paced":
+        arrivals = arrival_times(len(texts), paced_rate(args), seed)
+        return await open_loop(client, side, rnd, texts, arrivals, args.output_len)
+    width = min(args.concurrency, len(texts)) or 1
+    share = -(-len(texts) // width)
+    got, wall = await closed_loop(
+        client, side, rnd, [texts[i * share : (i + 1) * share] for i in range(width)], args.output_len
+    )
+    return got, wall, {}
+
+
 @dataclass(slots=True)
 class Snapshot:
     """Counters around a round: gateway metrics, Redis's own counters, CPU seconds of each process."""
@@ -315,21 +332,13 @@ async def measure(
     each."""
     assert fl.api_key is not None
     paced = args.load == "paced"
-    rate = paced_rate(args)
     direct = fleet_mod.make_client(fl.engine_urls[0], None, 120.0)
     gateway = fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0)
     clients = {"direct": direct, "gateway": gateway}
     async with direct, gateway:
         warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
-        width = min(args.concurrency, len(warm)) or 1
         for side, c in clients.items():
-            if paced:
-                arrivals = arrival_times(len(warm), rate, args.seed)
-                samples, _, _ = await open_loop(c, side, -1, warm, arrivals, args.output_len)
-            else:
-                samples, _ = await closed_loop(
-                    c, side, -1, [warm[i::width] for i in range(width)], args.output_len
-                )
+            samples, _, _ = await run_round(c, side, -1, warm, args, args.seed)
             if not any(s.ok for s in samples):
                 raise RuntimeError(f"every warm-up request to the {side} side failed: {samples[0].error}")
 
@@ -348,19 +357,12 @@ async def measure(
         per_round = args.requests_per_round if paced else args.concurrency * args.requests_per_client
         for k in range(args.rounds):
             texts = make_prompts(args, tokenizer, words, per_round, 10 + k)
-            arrivals = arrival_times(per_round, rate, args.seed * 1000 + k)
-            prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
-                       for i in range(args.concurrency)]  # fmt: skip
             for side, c in clients.items():
-                what = (f"{per_round} requests at {rate:.1f}/s" if paced
+                what = (f"{per_round} requests at {paced_rate(args):.1f}/s" if paced
                         else f"{args.concurrency} streams x {args.requests_per_client}")  # fmt: skip
                 common.log(f"round {k + 1}/{args.rounds}: {side}, {what}")
                 before = Snapshot.take(fl)
-                streams: dict[str, float] = {}
-                if paced:
-                    got, wall, streams = await open_loop(c, side, k, texts, arrivals, args.output_len)
-                else:
-                    got, wall = await closed_loop(c, side, k, prompts, args.output_len)
+                got, wall, streams = await run_round(c, side, k, texts, args, args.seed * 1000 + k)
                 d = delta(before, Snapshot.take(fl))
                 counters[side] = _add(counters[side], d)
                 samples.extend(got)
@@ -541,18 +543,12 @@ async def _profile_rounds(
     assert fl.api_key is not None
     n = 0
     async with fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0) as c:
+        per_round = (
+            args.requests_per_round if args.load == "paced" else args.concurrency * args.requests_per_client
+        )
         for k in range(args.profile_rounds):
-            if args.load == "paced":
-                texts = make_prompts(args, tokenizer, words, args.requests_per_round, 50 + k)
-                arrivals = arrival_times(len(texts), paced_rate(args), args.seed * 1000 + 50 + k)
-                got, _, _ = await open_loop(c, "gateway", k, texts, arrivals, args.output_len)
-            else:
-                texts = make_prompts(
-                    args, tokenizer, words, args.concurrency * args.requests_per_client, 50 + k
-                )
-                prompts = [texts[i * args.requests_per_client : (i + 1) * args.requests_per_client]
-                           for i in range(args.concurrency)]  # fmt: skip
-                got, _ = await closed_loop(c, "gateway", k, prompts, args.output_len)
+            texts = make_prompts(args, tokenizer, words, per_round, 50 + k)
+            got, _, _ = await run_round(c, "gateway", k, texts, args, args.seed * 1000 + 50 + k)
             n += len(got)
     return n
 
