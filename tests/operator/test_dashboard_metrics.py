@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvfleet_engine.server.metrics import EngineMetrics
-from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.metrics import Children, GatewayMetrics
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
 DASHBOARD = CHART / "dashboards" / "kvfleet.json"
@@ -58,7 +58,9 @@ def exported_series(*registries: CollectorRegistry, wrappers: list[MetricWrapper
 
 
 def wrappers_of(*objects: object) -> list[MetricWrapperBase]:
-    return [v for obj in objects for v in vars(obj).values() if isinstance(v, MetricWrapperBase)]
+    """The metrics an object holds, directly or behind a ``Children`` cache of their labelled children."""
+    found = [v.metric if isinstance(v, Children) else v for obj in objects for v in vars(obj).values()]
+    return [v for v in found if isinstance(v, MetricWrapperBase)]
 
 
 def kvfleet_series() -> Exported:
