@@ -83,9 +83,8 @@ TARGET_P50_MS = 2.0
 TARGET_P99_MS = 10.0
 TARGET_REDIS_ROUND_TRIPS = 2.0
 ZERO_COST = fleet_mod.SimCost(0.0, 0.0, 0.0, 0.0)
-PACED_STEP_MS = (
-    50.0  # a decode step with ~100 sequences in the batch (a large model; 2,000 tokens/s to relay)
-)
+# the paced replica's decode step, ~100 sequences in the batch (a large model): 2,000 tokens/s to relay
+PACED_STEP_MS = 50.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -135,14 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k, (q, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, q if args.quick else full)
-    for k in (
-        "concurrency",
-        "requests_per_client",
-        "requests_per_round",
-        "rounds",
-        "output_len",
-        "prompt_words",
-    ):
+    positive = ("concurrency", "requests_per_client", "requests_per_round", "rounds", "output_len", "prompt_words")  # fmt: skip
+    for k in positive:
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     if not args.step_ms > 0:
