@@ -161,9 +161,8 @@ def test_streams_in_flight_mean_and_peak() -> None:
     # [0,2] [1,3] [1.5,2.5] [4,5]: three open at 1.5-2; 6 s of streams in a 5 s round
     spans = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5), (4.0, 5.0)]
     assert overhead.in_flight(spans, 5.0) == {"mean": 1.2, "peak": 3}
-    assert (
-        overhead.in_flight([(0.0, 1.0), (1.0, 2.0)], 2.0)["peak"] == 1
-    )  # an end before a start at the same time
+    back_to_back = [(0.0, 1.0), (1.0, 2.0)]  # an end sorts before a start at the same time
+    assert overhead.in_flight(back_to_back, 2.0)["peak"] == 1
     assert overhead.in_flight([], 1.0) == {"mean": 0.0, "peak": 0}
 
 
