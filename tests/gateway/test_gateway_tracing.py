@@ -52,9 +52,8 @@ def test_client_trace_continues_through_gateway_and_engine(demo_model, tmp_path)
         [route] = [sid for sid, (svc, s) in spans.items() if s.name == "kvfleet.gateway.route"]
         [engine] = [sid for sid, (svc, s) in spans.items() if s.name == "engine chat"]
         assert ancestors(route)[-1] == client_span
-        assert (
-            spans[route][1].kind == 2
-        )  # SPAN_KIND_SERVER: the request's server span, continuing the client's
+        server_kind = 2  # OTLP SPAN_KIND_SERVER: the route span is the request's server span
+        assert spans[route][1].kind == server_kind
         chain = ancestors(engine)
         assert "kvfleet.gateway.route" in chain and chain[-1] == client_span, chain
         attrs = {a.key: a.value for a in spans[route][1].attributes}
