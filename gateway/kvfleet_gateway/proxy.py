@@ -22,12 +22,11 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from kvfleet_common import redis_keys
@@ -42,6 +41,7 @@ from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnav
 from kvfleet_gateway.load import LoadTracker, Ticket
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.recent_routes import RecentRoutes
+from kvfleet_gateway.relay import SseRelay
 from kvfleet_gateway.routing import Candidate, Decision, choose
 from kvfleet_gateway.tokenization import TokenizerCache, prompt_token_ids
 from kvfleet_gateway.upstream import (
@@ -295,10 +295,7 @@ class Proxy:
         headers = self._response_headers(r, raw, upstream)
         if body.stream and upstream.status_code == 200:
             r.status = 200
-            return _StreamRelay(
-                self._relay_stream(r, upstream, client_wants_usage=body.include_usage, ticket=ticket),
-                on_close=lambda: self._stream_closed(r, upstream, ticket, span), headers=headers,
-            )  # fmt: skip
+            return _StreamRelay(self, r, upstream, ticket, span, headers, keep_usage=body.include_usage)
         try:
             content = await upstream.read()
         except UpstreamReadError as e:
@@ -378,47 +375,19 @@ class Proxy:
         raise ApiError(503, f"no replica of {r.model!r} could take the request ({last_error}); retry shortly",
                        code="upstream_unavailable", headers={"Retry-After": "2"})  # fmt: skip
 
-    async def _relay_stream(
-        self, r: Routed, upstream: UpstreamResponse, client_wants_usage: bool, ticket: Ticket
-    ) -> AsyncIterator[bytes]:
-        """Pass SSE events through as they complete; meter usage; always end the stream properly.
-        (Releasing the load and finishing the request is ``_stream_closed``'s job: it runs even when the
-        client left before this generator started.)"""
-        buf = b""
-        first = True
-        try:
-            async for chunk in upstream.iter_chunks():
-                buf += chunk
-                if b"\n\n" not in buf:
-                    continue
-                *events, buf = buf.split(b"\n\n")
-                out = []
-                for ev in events:
-                    if b'"usage":{' in ev and ev.startswith(b"data: {"):
-                        usage = _usage_of(ev)
-                        if usage is not None:
-                            r.usage = usage
-                            if not client_wants_usage:
-                                continue
-                    out.append(ev + b"\n\n")
-                if first and out:
-                    first = False
-                    self.load.prefilled(ticket)
-                    self.metrics.ttft.labels(r.model).observe(time.perf_counter() - r.started)
-                if out:
-                    yield b"".join(out)
-            if buf.strip():
-                yield buf
-            r.relayed_to_end = True
-        except UpstreamReadError as e:
-            r.status = 503
-            self.metrics.upstream_errors.labels(r.model, "midstream").inc()
-            logger.warning("replica %s failed mid-stream (%s)", r.replica.replica_id if r.replica else "?", e)
-            if r.replica is not None:
-                self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
-            err = error_body(503, f"the replica serving this stream failed: {e}", code="upstream_failed")
-            yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
-            r.relayed_to_end = True
+    def _first_event(self, r: Routed, ticket: Ticket) -> None:
+        self.load.prefilled(ticket)
+        self.metrics.ttft.labels(r.model).observe(time.perf_counter() - r.started)
+
+    def _stream_failed(self, r: Routed, error: BaseException | None) -> bytes:
+        """The replica broke off mid-stream: mark it down; the SSE error event and end the client gets."""
+        r.status = 503
+        self.metrics.upstream_errors.labels(r.model, "midstream").inc()
+        logger.warning("replica %s failed mid-stream (%s)", r.replica.replica_id if r.replica else "?", error)
+        if r.replica is not None:
+            self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+        err = error_body(503, f"the replica serving this stream failed: {error}", code="upstream_failed")
+        return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
 
     def _stream_closed(self, r: Routed, upstream: UpstreamResponse, ticket: Ticket, span) -> None:
         if not r.relayed_to_end and r.status == 200:
@@ -487,33 +456,39 @@ class Proxy:
         )  # fmt: skip
 
 
-class _StreamRelay(StreamingResponse):
-    """The SSE response of a proxied stream: ``on_close`` runs exactly once when the response is over,
-    however it ended (last event sent, client gone, cancelled), even if the body never started (a bare
-    async generator's ``finally`` does not run then). The generator is closed first, so a stream the
-    client abandoned mid-way stops reading the upstream before the request is released."""
+class _StreamRelay(Response):
+    """The SSE response of a proxied stream (relayed by ``SseRelay``). ``Proxy._stream_closed`` runs
+    exactly once when the response is over, however it ended (last event sent, client gone, replica
+    failed, cancelled), and after the relay stopped reading the replica."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]):
-        super().__init__(body, status_code=200, media_type="text/event-stream", headers=headers)
-        self._on_close = on_close
+    def __init__(
+        self, proxy: Proxy, r: Routed, upstream: UpstreamResponse, ticket: Ticket, span, headers: dict[str, str],
+        keep_usage: bool,
+    ) -> None:  # fmt: skip
+        # no super().__init__: that renders a body and sets content-length; the body here is a stream
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.init_headers(headers)
+        self._args = (proxy, r, upstream, ticket, span, keep_usage)
 
     async def __call__(self, scope, receive, send) -> None:
+        proxy, r, upstream, ticket, span, keep_usage = self._args
+        relay = None
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            relay = SseRelay(upstream, send, keep_usage, lambda: proxy._first_event(r, ticket))
+            outcome = await relay.run(receive)
+            r.usage = relay.usage
+            if outcome == "client_gone":
+                return
+            last = relay.tail if outcome == "complete" else proxy._stream_failed(r, relay.error)
+            await send({"type": "http.response.body", "body": last, "more_body": False})
+            r.relayed_to_end = True
         finally:
-            try:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            finally:
-                self._on_close()
-
-
-def _usage_of(event: bytes) -> dict | None:
-    try:
-        data = json.loads(event[len(b"data: ") :])
-    except ValueError:
-        return None
-    usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+            if relay is not None:
+                relay.stop()
+            proxy._stream_closed(r, upstream, ticket, span)
 
 
 def error_response(status: int, message: str, code: str) -> JSONResponse:

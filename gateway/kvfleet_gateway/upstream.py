@@ -1,22 +1,34 @@
-"""HTTP to the engine replicas (aiohttp): the proxied requests and the admin calls (sleep / wake).
+"""HTTP/1.1 to the engine replicas: the proxied requests and the admin calls (sleep / wake).
 
-aiohttp rather than httpx on this path: at 100 concurrent streams the gateway was CPU-bound, and a
-third of its CPU went to httpx/httpcore's connection pool (which scans every pooled connection on
-each request) and anyio's stream wrappers (``bench/gateway_overhead.py --profile``). aiohttp's
-connector keeps idle connections per host in a list and reads straight from the transport.
+A small client of our own on asyncio protocols and httptools' C parser, because a relayed stream costs
+the gateway CPU per *event*, and at 100 streams a decode step hands it ~100 events at once: the time to
+relay that burst is latency added to every stream's tokens (``bench/gateway_overhead.py``). With a
+client library each event woke the request's task, ran a read call, the proxy's generator and the
+ASGI send chain (~120 µs per event with aiohttp, more with httpx); here the body reaches a callback in
+the connection's own ``data_received`` (``UpstreamResponse.stream``), which passes it on at once.
 
-Errors are mapped to two exceptions so callers never see aiohttp's hierarchy:
-``UpstreamConnectError`` (nothing reached the replica, or it closed the connection before answering:
-safe to retry elsewhere) and ``UpstreamReadError`` (the replica failed after it started answering).
+- Connections are kept alive per replica (host, port) and reused most recently used first; idle ones
+  are dropped after ``KEEPALIVE_S``, before the engine's keep-alive (75 s) would close them.
+- One exchange per connection at a time; a connection comes back to the pool only after its response
+  was read to the end (``close``); closing it earlier drops it, which the engine sees as the client
+  going away (it aborts the request).
+- Timeouts: connecting (``connect_timeout_s``), and no byte from the replica for ``read_timeout_s``
+  while a request is out (the head and each part of the body), checked by one watchdog a second.
+
+Errors are two exceptions: ``UpstreamConnectError`` (nothing reached the replica, or it closed the
+connection before answering: safe to retry elsewhere) and ``UpstreamReadError`` (the replica failed
+after it started answering).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlencode, urlsplit
 
-import aiohttp
+import httptools
 
 
 class UpstreamConnectError(Exception):
@@ -34,96 +46,340 @@ class UpstreamReadError(Exception):
     """The replica's response broke off (or timed out) after its head."""
 
 
-_CONNECT_ERRORS = (
-    aiohttp.ClientConnectionError,  # refused, reset, DNS, server disconnected before the head
-    asyncio.TimeoutError,  # connect timeout (and read timeout before the head)
-)
-# A pooled keep-alive connection the server closed while idle fails on reuse (reset, or "server
-# disconnected"): that says nothing about the replica, so the request is sent again on another
-# connection. Idle connections are kept 60 s and dropped before the engine's keep-alive (75 s) closes
-# them. Kept long on purpose: a replica busy with streams took up to 3 s to start serving each of a burst
-# of ~100 new connections (bench/gateway_overhead.py: the first requests after 4 s without traffic), while
-# requests on open connections were served at once.
+# A pooled keep-alive connection the server closed while idle fails on reuse (reset, or closed before
+# the head): that says nothing about the replica, so the request is sent again on another connection.
+# Idle connections are kept 60 s, less than the engine's keep-alive (75 s). Kept long on purpose: a
+# replica busy with streams took up to 3 s to start serving each of a burst of ~100 new connections
+# (bench/gateway_overhead.py: the first requests after 4 s without traffic), while requests on open
+# connections were served at once.
 STALE_RETRIES = 2
 KEEPALIVE_S = 60.0
-_READ_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+WATCHDOG_PERIOD_S = 1.0
+
+
+class _ConnectionLost(Exception):
+    """The connection closed before the response's head (``before_any_byte``: not one byte came back)."""
+
+    def __init__(self, message: str, before_any_byte: bool) -> None:
+        super().__init__(message)
+        self.before_any_byte = before_any_byte
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[str, int, str, bytes]:
+    """(host, port, request target, Host header value) of an ``http://`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"replica URLs are plain http://host:port URLs, not {url!r}")
+    port = parts.port or 80
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return parts.hostname, port, target, parts.netloc.encode("ascii")
 
 
 class UpstreamResponse:
-    """A response whose head has arrived; the body is read with ``read`` or ``iter_chunks``.
+    """One exchange on a connection: its head once arrived (``status_code``, ``headers`` with lower-case
+    names), then its body, read whole (``read``) or handed on as it arrives (``stream``).
 
     ``close(abort=True)`` drops the connection (the engine sees the client go away and aborts the
-    request); ``close()`` after the body was read returns the connection to the pool."""
+    request); ``close()`` after the body was read to the end returns the connection to the pool."""
 
-    __slots__ = ("_resp", "headers", "status_code")
+    __slots__ = ("_chunks", "_closed", "_conn", "_done", "_head", "_on_data", "headers", "status_code")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status_code = resp.status
-        self.headers: Mapping[str, str] = resp.headers
+    def __init__(self, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        self._conn = conn
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] = loop.create_future()
+        for fut in (self._head, self._done):  # an outcome nobody waits for any more is not an error to log
+            fut.add_done_callback(_retrieve)
+        self._chunks: list[bytes] = []
+        self._on_data: Callable[[bytes], None] | None = None
+        self._closed = False
+        self.status_code = 0
+        self.headers: dict[str, str] = {}
 
+    # -- called by the connection (in its data_received) --
+    def _got_head(self, status: int) -> None:
+        self.status_code = status
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def _got_body(self, data: bytes) -> None:
+        if self._on_data is not None:
+            self._on_data(data)
+        else:
+            self._chunks.append(data)
+
+    def _got_end(self, error: Exception | None) -> None:
+        if not self._head.done():
+            self._head.set_exception(error or _ConnectionLost("no response", before_any_byte=False))
+        if not self._done.done():
+            if error is None:
+                self._done.set_result(None)
+            elif isinstance(error, UpstreamReadError):
+                self._done.set_exception(error)
+            else:
+                self._done.set_exception(UpstreamReadError(str(error)))
+
+    # -- the caller's side --
     async def read(self) -> bytes:
-        try:
-            return await self._resp.read()
-        except _READ_ERRORS as e:
-            raise UpstreamReadError(f"{type(e).__name__}: {e}") from e
+        """The whole body. Raises ``UpstreamReadError``."""
+        await self._done
+        return b"".join(self._chunks)
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (any chunking)."""
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except _READ_ERRORS as e:
-            raise UpstreamReadError(f"{type(e).__name__}: {e}") from e
+    def stream(self, on_data: Callable[[bytes], None]) -> asyncio.Future[None]:
+        """Hand each part of the body to ``on_data`` as it arrives (what came before is handed first), in
+        the connection's ``data_received``: ``on_data`` must not raise, and must not block. The returned
+        future is done at the end of the body, or fails with ``UpstreamReadError``."""
+        self._on_data = on_data
+        chunks, self._chunks = self._chunks, []
+        for chunk in chunks:
+            on_data(chunk)
+        return self._done
+
+    def pause_reading(self) -> None:
+        """Stop taking bytes from the replica (the client is slow): TCP flow control reaches the engine."""
+        self._conn.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.resume_reading()
 
     def close(self, abort: bool = False) -> None:
-        if abort or not self._resp.content.at_eof():
-            self._resp.close()
+        if self._closed:
+            return
+        self._closed = True
+        complete = self._done.done() and not self._done.cancelled() and self._done.exception() is None
+        self._head.cancel()  # no-ops when done
+        self._done.cancel()
+        self._conn.release(keep=complete and not abort)
+        self._conn.pool.slots.release()
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to a replica, carrying one exchange at a time. It is its own
+    httptools parser's callback object: the parser calls ``on_*`` from ``data_received``."""
+
+    def __init__(self, pool: Upstream, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.exchange: UpstreamResponse | None = None
+        self.closed = False
+        self.keep_alive = False
+        self.got_bytes = False  # of the current exchange
+        self.last_io = 0.0  # loop time of the last byte in (or the request out): the read watchdog's clock
+        self.idle_since = 0.0
+        self.reading_paused = False
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self.last_io = self.pool.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.fail(UpstreamReadError(f"malformed response from the replica: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self.exchange is not None:
+            why = f"{type(exc).__name__}: {exc}" if exc else "the replica closed the connection"
+            self.exchange._got_end(_ConnectionLost(why, before_any_byte=not self.got_bytes))
+
+    def pause_writing(self) -> None:  # the request body is written at once; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks --
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self.exchange is not None:
+            self.exchange._got_head(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange._got_body(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.exchange is not None:
+            self.exchange._got_end(None)
+
+    # -- the pool's side --
+    def send(self, request: bytes) -> UpstreamResponse:
+        assert self.transport is not None and self.exchange is None
+        self.exchange = UpstreamResponse(self)
+        self.got_bytes = False
+        self.keep_alive = False
+        self.last_io = self.pool.loop.time()
+        self.transport.write(request)
+        return self.exchange
+
+    def fail(self, error: Exception) -> None:
+        """End the exchange with ``error`` and drop the connection."""
+        if self.exchange is not None:
+            self.exchange._got_end(error)
+        self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def release(self, keep: bool) -> None:
+        """The exchange is over: back to the pool if it ended cleanly and may be reused, else dropped."""
+        self.exchange = None
+        if keep and self.keep_alive and not self.closed:
+            self.resume_reading()
+            self.pool.checkin(self)
         else:
-            self._resp.release()
+            self.abort()
+            self.pool.forget(self)
+
+    def pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None and not self.closed:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.reading_paused and self.transport is not None and not self.closed:
+            self.reading_paused = False
+            self.transport.resume_reading()
+            self.last_io = self.pool.loop.time()  # paused time was the client's, not the replica's
 
 
 class Upstream:
     """One connection pool for every replica. Create inside the running event loop; ``aclose`` at exit."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S
-            ),
-            timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s),
-            auto_decompress=False,  # relayed as the engine sent it
-            trust_env=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),  # the body is relayed, never decoded
-        )
+        self.loop = asyncio.get_running_loop()
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.slots = asyncio.Semaphore(max_connections)  # exchanges in progress (connections carrying one)
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._busy: set[_Connection] = set()
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Send; return once the response head arrived. Raises ``UpstreamConnectError``."""
+        host, port, target, host_header = _target(url)
+        head = [b"POST ", target.encode(), b" HTTP/1.1\r\nhost: ", host_header,
+                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]  # fmt: skip
+        for name, value in headers.items():
+            head += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
+        request = b"".join(head) + b"\r\n" + body
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="upstream-watchdog")
         attempt = 0
         while True:
+            await self.slots.acquire()  # released by the response's close
             try:
-                return UpstreamResponse(await self._session.post(url, data=body, headers=headers))
-            except aiohttp.ClientConnectorError as e:  # could not connect at all
-                raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=True) from e
-            except _CONNECT_ERRORS as e:
-                attempt += 1
-                if attempt > STALE_RETRIES or isinstance(e, asyncio.TimeoutError):
-                    raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=False) from e
+                conn, reused = await self._checkout((host, port))
+            except BaseException:
+                self.slots.release()
+                raise
+            resp = conn.send(request)
+            try:
+                await resp._head
+                return resp
+            except _ConnectionLost as e:
+                resp.close(abort=True)
+                if reused and e.before_any_byte and attempt < STALE_RETRIES:  # it died while idle in the pool
+                    attempt += 1
+                    continue
+                raise UpstreamConnectError(str(e), refused=False) from None
+            except UpstreamReadError as e:  # malformed head, or no head within the read timeout
+                resp.close(abort=True)
+                raise UpstreamConnectError(str(e), refused=False) from None
+            except BaseException:  # cancelled (the client left): the engine must see the request go away
+                resp.close(abort=True)
+                raise
 
     async def call(
         self, url: str, params: Mapping[str, Any] | None, headers: Mapping[str, str], timeout_s: float
     ) -> tuple[int, str]:
         """A small admin POST: (status, body text). Raises ``UpstreamConnectError``/``UpstreamReadError``."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        if params:
+            url += "?" + urlencode(params)
+
+        async def exchange() -> tuple[int, str]:
+            resp = await self.post(url, b"", headers)
+            try:
+                return resp.status_code, (await resp.read()).decode("utf-8", "replace")
+            finally:
+                resp.close()
+
         try:
-            async with self._session.post(url, params=params, headers=headers, timeout=timeout) as resp:
-                try:
-                    return resp.status, await resp.text(errors="replace")
-                except _READ_ERRORS as e:
-                    raise UpstreamReadError(f"{type(e).__name__}: {e}") from e
-        except _CONNECT_ERRORS as e:
-            refused = isinstance(e, aiohttp.ClientConnectorError)
-            raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=refused) from e
+            return await asyncio.wait_for(exchange(), timeout_s)
+        except TimeoutError:
+            raise UpstreamReadError(f"no complete answer within {timeout_s:g} s") from None
 
     async def aclose(self) -> None:
-        await self._session.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for conn in [*self._busy, *(c for conns in self._idle.values() for c in conns)]:
+            conn.abort()
+        self._idle.clear()
+        self._busy.clear()
+
+    # -- the pool --
+    async def _checkout(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to have been closed meanwhile
+            if not conn.closed:
+                self._busy.add(conn)
+                return conn, True
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Connection(self, key), *key), self.connect_timeout_s
+            )
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"no connection to {key[0]}:{key[1]} within {self.connect_timeout_s:g} s", refused=False
+            ) from None
+        except OSError as e:  # refused, unreachable, unknown host
+            raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=True) from None
+        self._busy.add(conn)
+        return conn, False
+
+    def checkin(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        conn.idle_since = self.loop.time()
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def _watch(self) -> None:
+        """Once a second: fail exchanges the replica has sent nothing for ``read_timeout_s`` (not counting
+        time spent paused for a slow client), drop connections idle for ``KEEPALIVE_S``."""
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = self.loop.time()
+            for conn in list(self._busy):
+                stalled = now - conn.last_io > self.read_timeout_s
+                if stalled and conn.exchange is not None and not conn.reading_paused:
+                    conn.fail(UpstreamReadError(f"no data from the replica for {self.read_timeout_s:g} s"))
+            for conns in self._idle.values():
+                for conn in [c for c in conns if now - c.idle_since > KEEPALIVE_S]:
+                    conns.remove(conn)
+                    conn.abort()

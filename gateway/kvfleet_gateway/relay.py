@@ -1,0 +1,171 @@
+"""Relaying one SSE stream from a replica to the client, from the replica connection's callback.
+
+Why not an async generator under a ``StreamingResponse``: at 100 streams a decode step hands the gateway
+~100 events at once, one per stream, and each woke its request's task to run a read call, the proxy's
+generator and the ASGI ``send`` chain; relaying a burst took ~12 ms, which is latency added to every
+token (``bench/gateway_overhead.py``). Here the replica's bytes go to the client's ``send`` inside the
+upstream connection's ``data_received`` (``UpstreamResponse.stream``). ``send`` is a coroutine function,
+but it suspends only when the client's connection cannot take more (the server's flow control); it is
+stepped here as a task would step it, and while it waits the replica's connection is not read, so the
+backpressure reaches the engine. The request's task only waits for the end of the stream, or for the
+client to leave.
+
+The relay cuts the byte stream at event boundaries (a partial event waits for its end) so that the
+usage event, which the gateway may have asked for on the client's behalf, can be read and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Literal
+
+from kvfleet_gateway.upstream import UpstreamResponse
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Outcome = Literal["complete", "upstream_failed", "client_gone"]
+
+_USAGE_MARK = b'"usage":{'  # a usage object (chunks without one carry "usage":null, or nothing)
+
+
+class SseRelay:
+    """Relays ``upstream``'s SSE body to ``send`` (see the module docstring). ``run`` drives it;
+    afterwards ``usage`` is the stream's usage object (if the replica sent one) and ``tail`` any bytes
+    after the last complete event."""
+
+    __slots__ = ("_backlog", "_buf", "_drained", "_keep_usage", "_on_first_event", "_pending", "_send",
+                 "_stopped", "_upstream", "error", "tail", "usage")  # fmt: skip
+
+    def __init__(
+        self, upstream: UpstreamResponse, send: Send, keep_usage: bool, on_first_event: Callable[[], None]
+    ) -> None:
+        self._upstream = upstream
+        self._send = send
+        self._keep_usage = keep_usage
+        self._on_first_event: Callable[[], None] | None = on_first_event
+        self._buf = b""
+        self._pending: Coroutine[Any, Any, None] | None = None  # a send waiting for the client
+        self._backlog: list[bytes] = []  # events that came meanwhile
+        self._drained: asyncio.Future[None] | None = None  # run() waits on it for the pending send to finish
+        self._stopped = False
+        self.usage: dict[str, Any] | None = None
+        self.error: BaseException | None = None  # the replica's read error, or the client's send error
+        self.tail = b""
+
+    async def run(self, receive: Receive) -> Outcome:
+        """Relay until the replica's body ended (every event handed to ``send``) or the client left."""
+        upstream_done = self._upstream.stream(self._feed)
+        client_left = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((upstream_done, client_left), return_when=asyncio.FIRST_COMPLETED)
+            if not client_left.done() and self._pending is not None:
+                self._drained = asyncio.get_running_loop().create_future()
+                await asyncio.wait((self._drained, client_left), return_when=asyncio.FIRST_COMPLETED)
+            if client_left.done() or self._stopped:
+                return "client_gone"
+            self.error = upstream_done.exception()
+            if self.error is not None:
+                return "upstream_failed"
+            self.tail = self._buf if self._buf.strip() else b""
+            return "complete"
+        finally:
+            client_left.cancel()
+            self.stop()
+
+    def stop(self) -> None:
+        """Relay nothing more (the response is over, however it ended)."""
+        self._stopped = True
+        self._backlog.clear()
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
+
+    # -- in the replica connection's data_received --
+    def _feed(self, data: bytes) -> None:
+        if self._stopped:
+            return
+        buf = self._buf + data if self._buf else data
+        end = buf.rfind(b"\n\n") + 2
+        if end == 1:  # no complete event yet
+            self._buf = buf
+            return
+        events, self._buf = buf[:end], buf[end:]
+        if _USAGE_MARK in events:
+            events = self._meter(events)
+            if not events:
+                return
+        if self._on_first_event is not None:
+            self._on_first_event()
+            self._on_first_event = None
+        if self._pending is not None:
+            self._backlog.append(events)
+        else:
+            self._step(self._send({"type": "http.response.body", "body": events, "more_body": True}))
+
+    def _meter(self, events: bytes) -> bytes:
+        """Take the usage from the events that carry one; drop those events unless the client asked."""
+        kept = []
+        for event in events.split(b"\n\n")[:-1]:
+            usage = _usage_of(event) if _USAGE_MARK in event else None
+            if usage is not None:
+                self.usage = usage
+                if not self._keep_usage:
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def _step(self, send: Coroutine[Any, Any, None]) -> None:
+        """Run ``send`` until it finishes or waits; if it waits, stop reading the replica until it is done."""
+        try:
+            waiting_on = send.send(None)
+        except StopIteration:
+            self._sent()
+            return
+        except BaseException as e:  # the server could not write: the client is gone
+            self._pending = None
+            self.error = e
+            self.stop()
+            self._upstream.close(abort=True)  # the engine aborts the request; run() sees its body end
+            if self._drained is not None and not self._drained.done():
+                self._drained.set_result(None)
+            return
+        self._pending = send
+        self._upstream.pause_reading()
+        if waiting_on is None:  # a bare yield: go on in the next loop iteration
+            asyncio.get_running_loop().call_soon(self._resume, send)
+        else:
+            waiting_on._asyncio_future_blocking = False  # what a task does with the future it waits on
+            waiting_on.add_done_callback(lambda _: self._resume(send))
+
+    def _resume(self, send: Coroutine[Any, Any, None]) -> None:
+        if self._pending is send:  # not stopped meanwhile
+            self._step(send)
+
+    def _sent(self) -> None:
+        self._pending = None
+        if self._backlog:
+            body = b"".join(self._backlog)
+            self._backlog.clear()
+            self._step(self._send({"type": "http.response.body", "body": body, "more_body": True}))
+            return
+        self._upstream.resume_reading()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage_of(event: bytes) -> dict[str, Any] | None:
+    if not event.startswith(b"data: {"):
+        return None
+    try:
+        data = json.loads(event[len(b"data: ") :])
+    except ValueError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
