@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the gateway process (repeatable), e.g. OTEL_SDK_DISABLED=true")  # fmt: skip
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="an extra argument of `kvfleet gateway` (repeatable), e.g. --gateway-arg=--loop=uvloop")  # fmt: skip
     p.add_argument("--cpu-layout", choices=("shared", "isolated"), default="shared",
                    help="shared: every process on every CPU (default); isolated: the gateway and Redis on the\n"
                         "second half of the CPUs, the clients and the replica on the first half, as when the\n"
@@ -721,7 +723,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": common.env_info(), "notes": [busy] if busy else [],
     }  # fmt: skip
     cost = fleet_mod.SimCost(0.0, args.step_ms, 0.0, 0.0) if args.load == "paced" else ZERO_COST
-    with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, gateway_env=args.gateway_env) as fl:
+    with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, gateway_args=args.gateway_arg,
+                         gateway_env=args.gateway_env) as fl:  # fmt: skip
         result["boot_s"] = fl.boot("prefix-aware")
         own_cpus = os.sched_getaffinity(0)
         result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
