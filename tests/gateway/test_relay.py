@@ -1,0 +1,187 @@
+"""SseRelay and the upstream client's streaming side, against a real socket server that sends an SSE body
+in awkward pieces, and an ASGI ``send``/``receive`` pair standing in for the HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kvfleet_gateway.relay import SseRelay
+from kvfleet_gateway.upstream import Upstream, UpstreamConnectError
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
+EVENTS = [
+    b'data: {"choices":[{"text":"a"}],"usage":null}\n\n',
+    b'data: {"choices":[{"text":"b"}],"usage":null}\n\n',
+    b'data: {"choices":[{"text":"c"}],"usage":null}\n\n',
+    b'data: {"choices":[],"usage":' + json.dumps(USAGE, separators=(",", ":")).encode() + b"}\n\n",
+    b"data: [DONE]\n\n",
+]
+
+
+def _chunked(piece: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(piece), piece)
+
+
+class SseServer:
+    """Answers each request with a chunked SSE body cut into ``pieces`` (one write each, ``gap_s`` apart);
+    ``stall_after``: stop sending (connection open) after that many pieces. Records how connections end."""
+
+    def __init__(self, pieces: list[bytes], gap_s: float = 0.0, stall_after: int | None = None) -> None:
+        self.pieces, self.gap_s, self.stall_after = pieces, gap_s, stall_after
+        self.eof_seen = asyncio.Event()  # a connection was closed by the client
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/completions"
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))  # fmt: skip
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for i, piece in enumerate(self.pieces):
+                if self.stall_after is not None and i == self.stall_after:
+                    await reader.read()  # until the client gives up
+                    break
+                writer.write(_chunked(piece))
+                await writer.drain()
+                if self.gap_s:
+                    await asyncio.sleep(self.gap_s)
+            else:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+            if await reader.read() == b"":
+                self.eof_seen.set()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.eof_seen.set()
+        finally:
+            writer.close()
+
+
+class Client:
+    """The HTTP server's side of the ASGI response: what was sent, and a receive that reports a disconnect
+    when ``leave`` is set."""
+
+    def __init__(self, block_on: int | None = None) -> None:
+        self.bodies: list[bytes] = []
+        self.leave = asyncio.Event()
+        self.unblock = asyncio.Event()
+        self.block_on = block_on  # the send of this body (0-based) waits until ``unblock``
+
+    async def send(self, message: dict) -> None:
+        if len(self.bodies) == self.block_on:
+            await self.unblock.wait()  # as uvicorn's send does while the client's socket is full
+        self.bodies.append(message["body"])
+
+    async def receive(self) -> dict:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+
+def _split_everywhere(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("piece_size", [1, 7, 1000])
+@pytest.mark.parametrize("keep_usage", [True, False])
+def test_events_cut_anywhere_arrive_whole_in_order_and_the_usage_event_is_read(piece_size, keep_usage):
+    async def scenario() -> None:
+        body = b"".join(EVENTS)
+        async with SseServer(_split_everywhere(body, piece_size)) as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=5, max_connections=4)
+            client, firsts = Client(), []
+            resp = await up.post(url, b"{}", {"content-type": "application/json"})
+            relay = SseRelay(resp, client.send, keep_usage, lambda: firsts.append(len(client.bodies)))
+            assert await relay.run(client.receive) == "complete"
+            resp.close()
+            await up.aclose()
+        expected = [e for e in EVENTS if keep_usage or b'"usage":{' not in e]
+        assert b"".join(client.bodies) == b"".join(expected)
+        assert all(b.endswith(b"\n\n") for b in client.bodies)  # never half an event
+        assert relay.usage == USAGE and relay.tail == b""
+        assert firsts == [0]  # once, before the first event went out
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_cannot_keep_up_pauses_the_replica_and_loses_nothing():
+    async def scenario() -> None:
+        async with SseServer(EVENTS, gap_s=0.01) as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=5, max_connections=4)
+            client = Client(block_on=1)
+            resp = await up.post(url, b"{}", {})
+            relay = SseRelay(resp, client.send, True, lambda: None)
+            run = asyncio.ensure_future(relay.run(client.receive))
+            await asyncio.sleep(0.2)  # the replica has sent everything; the client took one event
+            assert len(client.bodies) == 1 and resp._conn.reading_paused
+            client.unblock.set()
+            assert await run == "complete"
+            resp.close()
+            await up.aclose()
+        assert b"".join(client.bodies) == b"".join(EVENTS)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_drops_the_replica_connection():
+    async def scenario() -> None:
+        server = SseServer(EVENTS, stall_after=2)
+        async with server as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=30, max_connections=4)
+            client = Client()
+            resp = await up.post(url, b"{}", {})
+            relay = SseRelay(resp, client.send, True, lambda: None)
+            run = asyncio.ensure_future(relay.run(client.receive))
+            await asyncio.sleep(0.1)
+            client.leave.set()
+            assert await run == "client_gone"
+            resp.close()  # what the proxy does when the response is over
+            await asyncio.wait_for(server.eof_seen.wait(), 5)  # the engine sees the client go: it aborts
+            await up.aclose()
+        assert b"".join(client.bodies) == b"".join(EVENTS[:2])
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_stalls_mid_stream_is_given_up_after_the_read_timeout():
+    async def scenario() -> None:
+        async with SseServer(EVENTS, stall_after=1) as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=0.5, max_connections=4)
+            client = Client()
+            resp = await up.post(url, b"{}", {})
+            relay = SseRelay(resp, client.send, True, lambda: None)
+            assert await asyncio.wait_for(relay.run(client.receive), 10) == "upstream_failed"
+            assert "no data from the replica" in str(relay.error)
+            resp.close()
+            await up.aclose()
+        assert client.bodies == [EVENTS[0]]
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_never_answers_is_a_connect_error_after_the_read_timeout():
+    async def scenario() -> None:
+        server = await asyncio.start_server(lambda r, w: r.read(), "127.0.0.1", 0)  # reads, never answers
+        up = Upstream(connect_timeout_s=2, read_timeout_s=0.5, max_connections=4)
+        try:
+            port = server.sockets[0].getsockname()[1]
+            with pytest.raises(UpstreamConnectError) as e:
+                await asyncio.wait_for(up.post(f"http://127.0.0.1:{port}/", b"", {}), 10)
+            assert not e.value.refused and "no data from the replica" in str(e.value)
+        finally:
+            server.close()
+            await up.aclose()
+
+    asyncio.run(scenario())
