@@ -182,6 +182,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.exchange is None:  # bytes nobody asked for (on an idle connection): its state is unknown
+            self.abort()
+            self.pool.forget(self)
+            return
         self.got_bytes = True
         self.last_io = self.pool.loop.time()
         try:
