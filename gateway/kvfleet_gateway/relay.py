@@ -8,7 +8,9 @@ upstream connection's ``data_received`` (``UpstreamResponse.stream``). ``send`` 
 but it suspends only when the client's connection cannot take more (the server's flow control); it is
 stepped here as a task would step it, and while it waits the replica's connection is not read, so the
 backpressure reaches the engine. The request's task only waits for the end of the stream, or for the
-client to leave.
+client to leave. (So ``send`` runs outside the request's task and context: the servers' and Starlette's
+send wrappers do not care; an ASGI middleware that keeps per-request state in context variables around
+``send`` would, which is one more reason the tracing middleware skips the proxied endpoints.)
 
 The relay cuts the byte stream at event boundaries (a partial event waits for its end) so that the
 usage event, which the gateway may have asked for on the client's behalf, can be read and dropped.

@@ -333,6 +333,10 @@ class Upstream:
         except TimeoutError:
             raise UpstreamReadError(f"no complete answer within {timeout_s:g} s") from None
 
+    def connections(self) -> tuple[int, int]:
+        """(carrying an exchange, idle in the pool)."""
+        return len(self._busy), sum(len(conns) for conns in self._idle.values())
+
     async def aclose(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()

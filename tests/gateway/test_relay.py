@@ -106,6 +106,7 @@ def test_events_cut_anywhere_arrive_whole_in_order_and_the_usage_event_is_read(p
             relay = SseRelay(resp, client.send, keep_usage, lambda: firsts.append(len(client.bodies)))
             assert await relay.run(client.receive) == "complete"
             resp.close()
+            assert up.connections() == (0, 1)  # read to the end: kept for the next request
             await up.aclose()
         expected = [e for e in EVENTS if keep_usage or b'"usage":{' not in e]
         assert b"".join(client.bodies) == b"".join(expected)
@@ -149,6 +150,7 @@ def test_a_client_that_leaves_drops_the_replica_connection():
             assert await run == "client_gone"
             resp.close()  # what the proxy does when the response is over
             await asyncio.wait_for(server.eof_seen.wait(), 5)  # the engine sees the client go: it aborts
+            assert up.connections() == (0, 0) and up.slots._value == 4  # dropped, its slot free again
             await up.aclose()
         assert b"".join(client.bodies) == b"".join(EVENTS[:2])
 
@@ -165,6 +167,7 @@ def test_a_replica_that_stalls_mid_stream_is_given_up_after_the_read_timeout():
             assert await asyncio.wait_for(relay.run(client.receive), 10) == "upstream_failed"
             assert "no data from the replica" in str(relay.error)
             resp.close()
+            assert up.connections() == (0, 0)
             await up.aclose()
         assert client.bodies == [EVENTS[0]]
 
