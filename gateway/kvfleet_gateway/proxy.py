@@ -479,7 +479,6 @@ class _StreamRelay(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             relay = SseRelay(upstream, send, keep_usage, lambda: proxy._first_event(r, ticket))
             outcome = await relay.run(receive)
-            r.usage = relay.usage
             if outcome == "client_gone":
                 return
             last = relay.tail if outcome == "complete" else proxy._stream_failed(r, relay.error)
@@ -488,6 +487,7 @@ class _StreamRelay(Response):
         finally:
             if relay is not None:
                 relay.stop()
+                r.usage = relay.usage  # metered however the stream ended, once the usage event came
             proxy._stream_closed(r, upstream, ticket, span)
 
 
