@@ -73,6 +73,8 @@ class SseRelay:
             self.tail = self._buf if self._buf.strip() else b""
             return "complete"
         finally:
+            if client_left.done() and not client_left.cancelled():
+                client_left.exception()  # a receive that failed also means the client is gone; not an error
             client_left.cancel()
             self.stop()
 
