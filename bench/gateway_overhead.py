@@ -25,7 +25,15 @@ prompts (at the same times):
 
 Reported: TTFT (first chunk with text) and end-to-end latency percentiles per side, pooled over rounds;
 added latency = gateway percentile - direct percentile (p50, p99), plus the median of per-request paired
-differences and per-round p50s (noise); a sequential reference (concurrency 1, alternating per request:
+differences and per-round p50s (noise). Each figure also *outside the replica*: the client's figure minus the
+replica's own for the same request (arrival at its handler -> first token / last chunk, from its per-request
+log line; every request carries an ``X-Request-Id`` the gateway forwards). That is the time spent in the
+HTTP stacks, the kernel and the gateway: the same shift as the end-to-end figures in distribution (a request
+delayed by d waits for a step boundary that is as random as before), without the replica's step clock in
+each request's figure, which decides the end-to-end p99 at the paced load (a request that lands just after a
+step waits a whole one). The added-latency verdict reads the outside figures; the end-to-end one is printed
+too. ``--a-a`` sends the second side straight to the replica as well: how far two identical sides differ on
+each measure (the noise floor). A sequential reference (concurrency 1, alternating per request:
 the gateway's own cost without queueing; ``closed`` only); the gateway's ``kvfleet_gateway_routing_overhead_seconds``
 (arrival -> upstream request sent); CPU seconds per request of the gateway, the engine and the client
 (``/proc``); Redis round trips per gateway request from ``kvfleet_gateway_redis_round_trips_total``
@@ -66,7 +74,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +93,7 @@ TARGET_REDIS_ROUND_TRIPS = 2.0
 ZERO_COST = fleet_mod.SimCost(0.0, 0.0, 0.0, 0.0)
 # the paced replica's decode step, ~100 sequences in the batch (a large model): 2,000 tokens/s to relay
 PACED_STEP_MS = 50.0
+REFERENCE_ROUND = -2  # the sequential reference's requests (warm-up: -1, measured rounds: 0, 1, ...)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -120,6 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="shared: every process on every CPU (default); isolated: the gateway and Redis on the\n"
                         "second half of the CPUs, the clients and the replica on the first half, as when the\n"
                         "gateway runs on its own node (its CPU is then not taken from the load generator)")  # fmt: skip
+    p.add_argument("--a-a", action="store_true",
+                   help="calibration: the second side goes straight to the replica as well (an A/A test: how\n"
+                        "far two identical sides differ on each measure on this machine; no verdict)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="sample the gateway with py-spy in extra rounds")
     p.add_argument("--profile-rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -166,6 +178,28 @@ class Sample:
     e2e: float | None
     error: str | None
     start: float = 0.0  # seconds into the round (open loop)
+    # the replica's own view (its per-request log line): arrival at its handler -> first token / last chunk
+    engine_ttft: float | None = None
+    engine_e2e: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return request_id(self.side, self.round, self.client, self.index)
+
+
+def request_id(side: str, rnd: int, client: int, index: int) -> str:
+    """The ``X-Request-Id`` a request carries (the gateway forwards it; the replica logs it)."""
+    return f"gwo-{side}-{rnd}-{client}-{index}"
+
+
+async def send(
+    client: Any, side: str, rnd: int, i: int, j: int, text: str, output_len: int, t0: float = 0.0
+) -> Sample:
+    """One streamed request; ``t0``: the round's start (``Sample.start`` is counted from it)."""
+    r = await fleet_mod.stream_request(
+        client, "/v1/chat/completions", body(text, output_len), {"x-request-id": request_id(side, rnd, i, j)}
+    )
+    return Sample(side, rnd, i, j, r.ok, r.ttft, r.e2e, r.error, r.sent - t0)
 
 
 def body(prompt: str, output_len: int) -> dict[str, Any]:
@@ -182,8 +216,7 @@ async def closed_loop(
     async def one_client(i: int) -> list[Sample]:
         out = []
         for j, text in enumerate(prompts[i]):
-            r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(text, output_len))
-            out.append(Sample(side, rnd, i, j, r.ok, r.ttft, r.e2e, r.error))
+            out.append(await send(client, side, rnd, i, j, text, output_len, t0))
         return out
 
     t0 = time.perf_counter()
@@ -228,8 +261,7 @@ async def open_loop(
         delay = t0 + arrivals[i] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(prompts[i], output_len))
-        return Sample(side, rnd, i, 0, r.ok, r.ttft, r.e2e, r.error, r.sent - t0)
+        return await send(client, side, rnd, i, 0, prompts[i], output_len, t0)
 
     samples = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     wall = time.perf_counter() - t0
@@ -328,7 +360,9 @@ async def measure(
     assert fl.api_key is not None
     paced = args.load == "paced"
     direct = fleet_mod.make_client(fl.engine_urls[0], None, 120.0)
-    gateway = fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0)
+    # --a-a: the "gateway" side goes straight to the replica too (what the measures read when nothing differs)
+    gateway = (fleet_mod.make_client(fl.engine_urls[0], None, 120.0) if args.a_a
+               else fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0))  # fmt: skip
     clients = {"direct": direct, "gateway": gateway}
     async with direct, gateway:
         warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
@@ -342,8 +376,7 @@ async def measure(
         before = Snapshot.take(fl)
         for j, text in enumerate(make_prompts(args, tokenizer, words, args.reference_requests, 2)):
             for side, c in clients.items():
-                r = await fleet_mod.stream_request(c, "/v1/chat/completions", body(text, args.output_len))
-                ref.append(Sample(side, 0, 0, j, r.ok, r.ttft, r.e2e, r.error))
+                ref.append(await send(c, side, REFERENCE_ROUND, 0, j, text, args.output_len))
         ref_counters = delta(before, Snapshot.take(fl))
 
         rounds: list[dict[str, Any]] = []
@@ -361,10 +394,8 @@ async def measure(
                 d = delta(before, Snapshot.take(fl))
                 counters[side] = _add(counters[side], d)
                 samples.extend(got)
-                ttft = [s.ttft for s in got if s.ok and s.ttft is not None]
                 rounds.append({
                     "round": k, "side": side, "requests": len(got), "ok": sum(s.ok for s in got), "wall_s": wall,
-                    "ttft_p50_ms": _ms(sc.percentile(ttft, 50)), "ttft_p99_ms": _ms(sc.percentile(ttft, 99)),
                     "streams_in_flight": streams, "loadavg": common.loadavg(),
                 })  # fmt: skip
     return {"reference": ref, "reference_counters": ref_counters, "samples": samples, "rounds": rounds,
@@ -384,33 +415,80 @@ def dist(values: Sequence[float]) -> dict[str, Any]:
             "max": _ms(max(values)) if values else None}  # fmt: skip
 
 
+def _outside(total: float | None, inside: float | None) -> float | None:
+    return None if total is None or inside is None else total - inside
+
+
+# What each distribution reads from a sample. "outside": what the client saw minus the replica's own time
+# for the same request (its handler's arrival -> first token / end), i.e. the time spent in the HTTP
+# stack, the network and the gateway. The replica's step clock cancels out of it: a request that lands
+# just after a decode step boundary waits a whole step, which is inside the replica's time.
+MEASURES: dict[str, Callable[[Sample], float | None]] = {
+    "ttft_ms": lambda s: s.ttft,
+    "e2e_ms": lambda s: s.e2e,
+    "ttft_outside_ms": lambda s: _outside(s.ttft, s.engine_ttft),
+    "e2e_outside_ms": lambda s: _outside(s.e2e, s.engine_e2e),
+}
+
+
 def side_stats(samples: Sequence[Sample]) -> dict[str, Any]:
-    """Per side: TTFT and E2E distributions; added = gateway - direct for each percentile; paired differences
-    (same round, client and index) summarised by their median and p99."""
+    """Per side: the distribution of every measure in ``MEASURES``; added = gateway - direct for each
+    percentile; paired differences (same round, client and index) summarised by their median and p99."""
     out: dict[str, Any] = {}
     for side in ("direct", "gateway"):
         mine = [s for s in samples if s.side == side]
         ok = [s for s in mine if s.ok]
         errors = Counter((s.error or "?")[:120] for s in mine if not s.ok)
         out[side] = {"requests": len(mine), "ok": len(ok), "errors": dict(errors),
-                     "ttft_ms": dist([s.ttft for s in ok if s.ttft is not None]),
-                     "e2e_ms": dist([s.e2e for s in ok if s.e2e is not None])}  # fmt: skip
+                     "with_engine_timing": sum(s.engine_ttft is not None for s in ok),
+                     **{m: dist([v for s in ok if (v := f(s)) is not None]) for m, f in MEASURES.items()}}  # fmt: skip
     added: dict[str, Any] = {}
-    for metric in ("ttft_ms", "e2e_ms"):
+    for metric in MEASURES:
         d, g = out["direct"][metric], out["gateway"][metric]
         added[metric] = {q: (None if d[q] is None or g[q] is None else round(g[q] - d[q], 3))
                          for q in ("mean", "p50", "p90", "p99")}  # fmt: skip
     key = {(s.round, s.client, s.index): s for s in samples if s.side == "direct" and s.ok}
-    pairs: dict[str, list[float]] = {"ttft": [], "e2e": []}
+    pairs: dict[str, list[float]] = {m: [] for m in MEASURES}
     for s in samples:
         d = key.get((s.round, s.client, s.index))
         if s.side == "gateway" and s.ok and d is not None:
-            pairs["ttft"].append(s.ttft - d.ttft)  # type: ignore[operator]
-            pairs["e2e"].append(s.e2e - d.e2e)  # type: ignore[operator]
+            for m, f in MEASURES.items():
+                a, b = f(s), f(d)
+                if a is not None and b is not None:
+                    pairs[m].append(a - b)
     out["added_ms"] = added
     out["paired_ms"] = {m: {"n": len(v), "p50": _ms(sc.percentile(v, 50)), "p99": _ms(sc.percentile(v, 99))}
                         for m, v in pairs.items()}  # fmt: skip
     return out
+
+
+# the replica's per-request INFO line (kvfleet_engine.server.serving)
+ENGINE_LOG_LINE = re.compile(
+    r" (?:chat|completions) (gwo-\S+) model=\S+ status=200 .*? ttft=([\d.]+)ms e2e=([\d.]+)ms"
+)
+
+
+def engine_timings(log_path: Path) -> dict[str, tuple[float, float]]:
+    """Request id -> the replica's own (TTFT, E2E) in seconds, from its log."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    return {m[1]: (float(m[2]) / 1e3, float(m[3]) / 1e3) for m in ENGINE_LOG_LINE.finditer(text)}
+
+
+def attach_engine_timings(samples: Sequence[Sample], log_path: Path, wait_s: float = 10.0) -> int:
+    """Fill ``engine_ttft`` / ``engine_e2e`` of every successful sample the replica logged (it logs a request
+    just after its last chunk, so the last lines may trail the clients a little). Returns how many are
+    missing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        timings = engine_timings(log_path)
+        missing = [s for s in samples if s.ok and s.request_id not in timings]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for s in samples:
+        if (t := timings.get(s.request_id)) is not None:
+            s.engine_ttft, s.engine_e2e = t
+    return len(missing)
 
 
 def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
@@ -543,7 +621,7 @@ async def _profile_rounds(
         )
         for k in range(args.profile_rounds):
             texts = make_prompts(args, tokenizer, words, per_round, 50 + k)
-            got, _, _ = await run_round(c, "gateway", k, texts, args, args.seed * 1000 + 50 + k)
+            got, _, _ = await run_round(c, "gateway", 100 + k, texts, args, args.seed * 1000 + 50 + k)
             n += len(got)
     return n
 
@@ -582,8 +660,8 @@ def profile_gateway(fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: An
 # ---- report --------------------------------------------------------------------------------------------
 
 
-def _f(x: Any, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
+def _f(x: Any, digits: int = 2, sign: str = "") -> str:
+    return "-" if x is None else f"{x:{sign},.{digits}f}"
 
 
 def render(result: dict[str, Any]) -> None:
@@ -592,14 +670,16 @@ def render(result: dict[str, Any]) -> None:
     sections = [(f"{w['concurrency']} streams, {w['load']}", result["stats"])]
     if result["reference"]["direct"]["requests"]:
         sections.append(("sequential reference", result["reference"]))
+    cols = ("ttft_ms", "e2e_ms", "ttft_outside_ms", "e2e_outside_ms")
     for label, stats in sections:
         for side in ("direct", "gateway"):
             s = stats[side]
-            rows.append([label, side, f"{s['ok']}/{s['requests']}", _f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"]["p99"]),
-                         _f(s["e2e_ms"]["p50"]), _f(s["e2e_ms"]["p99"])])  # fmt: skip
+            rows.append([label, side, f"{s['ok']}/{s['requests']}",
+                         *(_f(s[m][q]) for m in cols for q in ("p50", "p99"))])  # fmt: skip
         a = stats["added_ms"]
-        rows.append([label, "added (gateway - direct)", "", _f(a["ttft_ms"]["p50"]), _f(a["ttft_ms"]["p99"]),
-                     _f(a["e2e_ms"]["p50"]), _f(a["e2e_ms"]["p99"])])  # fmt: skip
+        rows.append(
+            [label, "added (gateway - direct)", "", *(_f(a[m][q]) for m in cols for q in ("p50", "p99"))]
+        )
     notes = []
     pr, direct = result["per_gateway_request"], result["per_direct_request"]
     if pr:
@@ -627,13 +707,19 @@ def render(result: dict[str, Any]) -> None:
     if ref_cpu:
         notes.append(f"sequential: gateway CPU {ref_cpu['gateway']:.2f} ms per request")
     p = result["stats"]["paired_ms"]
-    notes.append(f"paired differences (same prompt and slot or arrival time): TTFT p50 {_f(p['ttft']['p50'])} ms, "
-                 f"E2E p50 {_f(p['e2e']['p50'])} ms")  # fmt: skip
+    notes.append(
+        "paired differences (same prompt and slot or arrival time), p50 / p99: "
+        + ", ".join(f"{m.removesuffix('_ms')} {_f(p[m]['p50'])} / {_f(p[m]['p99'])} ms" for m in MEASURES)
+    )
     for name, t in result["targets"].items():
         verdict = "met" if t["met"] else "NOT met"
         if t.get("inconclusive"):
             verdict = "inconclusive (round pairs disagree)"
+        if t.get("measure"):
+            name += f" ({t['measure']})"
         notes.append(f"target {name}: {verdict} ({t['detail']})")
+    if result["config"]["a_a"]:
+        notes.append("A/A calibration (--a-a): both sides went straight to the replica; 'added' is the noise")
     lay = result.get("cpu_layout", {})
     if lay.get("layout") == "isolated":
         notes.append(f"CPU layout isolated: gateway + Redis on CPUs {lay['gateway_and_redis']}, clients + replica "
@@ -643,21 +729,34 @@ def render(result: dict[str, Any]) -> None:
     notes.extend(result["notes"])
     common.print_table(
         f"Gateway overhead: {result['command']}",
-        ["load", "side", "ok", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms"],
+        ["load", "side", "ok", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99",
+         "outside: TTFT p50", "TTFT p99", "E2E p50", "E2E p99"],
         rows,
-        notes,
-    )
+        ["ms; outside: the client's figure minus the replica's own for the same request (its log), the time"
+         " outside the replica's handler and scheduler", *notes],
+    )  # fmt: skip
 
 
-def pair_differences(rounds: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Gateway minus direct TTFT p50 and p99 within each round pair (the two rounds run back to back)."""
+def add_round_percentiles(rounds: list[dict[str, Any]], samples: Sequence[Sample]) -> None:
+    """p50 and p99 of every measure in each round's entry (``"ttft_ms": {"p50", "p99"}``, ...)."""
+    for r in rounds:
+        ok = [s for s in samples if s.ok and s.side == r["side"] and s.round == r["round"]]
+        for m, f in MEASURES.items():
+            values = [v for s in ok if (v := f(s)) is not None]
+            r[m] = {f"p{q}": _ms(sc.percentile(values, q)) for q in (50, 99)}
+
+
+def pair_differences(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Gateway minus direct p50 and p99 of every measure within each round pair (the two rounds run back to
+    back): ``{"round": k, "ttft_ms": {"p50": .., "p99": ..}, ...}``; None where a side has no figure."""
     by = {(r["round"], r["side"]): r for r in rounds}
     out = []
     for k in sorted({r["round"] for r in rounds}):
         d, g = by.get((k, "direct")), by.get((k, "gateway"))
-        if d and g and None not in (d["ttft_p50_ms"], g["ttft_p50_ms"], d["ttft_p99_ms"], g["ttft_p99_ms"]):
-            out.append({"round": k, "ttft_p50_ms": round(g["ttft_p50_ms"] - d["ttft_p50_ms"], 3),
-                        "ttft_p99_ms": round(g["ttft_p99_ms"] - d["ttft_p99_ms"], 3)})  # fmt: skip
+        if d and g:
+            out.append({"round": k, **{m: {q: None if d[m][q] is None or g[m][q] is None
+                                               else round(g[m][q] - d[m][q], 3) for q in ("p50", "p99")}
+                                           for m in MEASURES if m in d and m in g}})  # fmt: skip
     return out
 
 
@@ -684,15 +783,28 @@ def pin_threads(pid: int, cpus: Sequence[int] | set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def added_latency_verdict(added: dict[str, Any], pairs: list[dict[str, float]]) -> dict[str, bool]:
-    """Met only if the pooled percentiles are under the limits *and* every round pair agrees: on a noisy
+def _within(d: dict[str, float | None]) -> bool:
+    return (d["p50"] is not None and d["p50"] <= TARGET_P50_MS and d["p99"] is not None
+            and d["p99"] <= TARGET_P99_MS)  # fmt: skip
+
+
+def added_latency_verdict(
+    added: dict[str, Any], pairs: list[dict[str, Any]], ttft: str, e2e: str
+) -> dict[str, Any]:
+    """The limits on the pooled p50 and p99 added to TTFT and E2E, as measured by ``ttft`` and ``e2e`` (keys of
+    ``MEASURES``). Met only if those are under the limits *and* every round pair agrees on TTFT: on a noisy
     machine the pooled figure can land under the limit by chance while single pairs differ by tens of ms
     either way (then the run shows nothing: inconclusive)."""
-    pooled_ok = all(added[m][q] is not None and added[m][q] <= lim
-                    for m in ("ttft_ms", "e2e_ms") for q, lim in (("p50", TARGET_P50_MS), ("p99", TARGET_P99_MS)))  # fmt: skip
-    every_pair_ok = all(d["ttft_p50_ms"] <= TARGET_P50_MS and d["ttft_p99_ms"] <= TARGET_P99_MS
-                        for d in pairs)  # fmt: skip
-    return {"met": pooled_ok and every_pair_ok, "inconclusive": pooled_ok and not every_pair_ok}
+    pooled_ok = _within(added[ttft]) and _within(added[e2e])
+    every_pair_ok = all(_within(d[ttft]) for d in pairs)
+    a = {m: added[m] for m in (ttft, e2e)}
+    return {
+        "met": pooled_ok and every_pair_ok, "inconclusive": pooled_ok and not every_pair_ok,
+        "detail": f"TTFT p50 {_f(a[ttft]['p50'], 2, '+')} ms, p99 {_f(a[ttft]['p99'], 2, '+')} ms; "
+                  f"E2E p50 {_f(a[e2e]['p50'], 2, '+')} ms, p99 {_f(a[e2e]['p99'], 2, '+')} ms "
+                  f"(limits {TARGET_P50_MS:g} / {TARGET_P99_MS:g} ms); per round pair TTFT p50 / p99 "
+                  + ", ".join(f"{_f(d[ttft]['p50'], 1, '+')} / {_f(d[ttft]['p99'], 1, '+')}" for d in pairs) + " ms",
+    }  # fmt: skip
 
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -723,8 +835,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": common.env_info(), "notes": [busy] if busy else [],
     }  # fmt: skip
     cost = fleet_mod.SimCost(0.0, args.step_ms, 0.0, 0.0) if args.load == "paced" else ZERO_COST
-    with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, gateway_args=args.gateway_arg,
-                         gateway_env=args.gateway_env) as fl:  # fmt: skip
+    # the replica at INFO: its per-request line gives its own TTFT and E2E of each request
+    with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, replica_args=["--log-level", "info"],
+                         gateway_args=args.gateway_arg, gateway_env=args.gateway_env) as fl:  # fmt: skip
         result["boot_s"] = fl.boot("prefix-aware")
         own_cpus = os.sched_getaffinity(0)
         result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
@@ -734,6 +847,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             pin_threads(os.getpid(), own_cpus)  # main() may run inside another program (the tests)
         result["contention_after"] = common.contention()
+        result["engine_timings_missing"] = attach_engine_timings(
+            m["samples"] + m["reference"], fl.engines[0].log_path
+        )
+        add_round_percentiles(m["rounds"], m["samples"])
         result["rounds"] = m["rounds"]
         result["stats"] = side_stats(m["samples"])
         result["reference"] = side_stats(m["reference"])
@@ -756,13 +873,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     added = result["stats"]["added_ms"]
     trips = result["per_gateway_request"].get("gateway_redis_round_trips", {}).get("request_path")
     pairs = result["round_pair_added_ms"] = pair_differences(result["rounds"])
-    result["targets"] = {
+    # The verdict reads the latency added outside the replica: the same shift as the clients' end-to-end
+    # figures in distribution, without the replica's step clock in each request's figure (at 1,800
+    # requests a side the end-to-end p99 is decided by which ~18 requests just missed a step; --a-a shows
+    # how far two identical sides differ on each measure).
+    result["targets"] = {} if args.a_a else {
         "added_latency": {
-            **added_latency_verdict(added, pairs),
-            "detail": f"TTFT p50 +{_f(added['ttft_ms']['p50'])} ms, p99 +{_f(added['ttft_ms']['p99'])} ms; "
-                      f"E2E p50 +{_f(added['e2e_ms']['p50'])} ms, p99 +{_f(added['e2e_ms']['p99'])} ms "
-                      f"(limits {TARGET_P50_MS:g} / {TARGET_P99_MS:g} ms); per round pair TTFT p50 "
-                      + ", ".join(f"{d['ttft_p50_ms']:+.1f}" for d in pairs) + " ms",
+            **added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms"),
+            "measure": "outside the replica",
+        },
+        "added_latency_end_to_end": {
+            **added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms"), "informational": True,
+            "measure": "informational: end to end at the client, each figure with its wait for the replica's next step",
         },
         "redis_round_trips": {
             "met": trips is not None and trips <= TARGET_REDIS_ROUND_TRIPS,

@@ -101,13 +101,13 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
     )
 
 
-@pytest.mark.parametrize("load", ["paced", "closed"])
-def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: str) -> None:
+@pytest.mark.parametrize(("load", "a_a"), [("paced", False), ("closed", False), ("paced", True)])
+def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: str, a_a: bool) -> None:
     out = tmp_path / "overhead.json"
     cpus = sorted(os.sched_getaffinity(0))
     layout = "isolated" if len(cpus) >= 2 and load == "closed" else "shared"
     argv = ["--quick", "--load", load, "--model", str(demo_model(preset="tiny")), "--log-dir",
-            str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout]  # fmt: skip
+            str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout, *(["--a-a"] if a_a else [])]  # fmt: skip
     result = overhead.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
@@ -121,23 +121,34 @@ def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: s
         assert s["requests"] == s["ok"] == n and s["errors"] == {}
         assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
         assert data["reference"][side]["ok"] == data["config"]["reference_requests"]
+        # The replica logged every request (the gateway forwarded the client's X-Request-Id), and its own
+        # time is a part of what the client saw: what is left outside it is positive and smaller.
+        assert s["with_engine_timing"] == n
+        assert 0 < s["ttft_outside_ms"]["p50"] < s["ttft_ms"]["p50"]
+        assert 0 < s["e2e_outside_ms"]["p50"] < s["e2e_ms"]["p50"]
+    assert data["engine_timings_missing"] == 0
     assert data["config"]["reference_requests"] == (0 if load == "paced" else 4)
     if load == "paced":  # every request of a round was timed, with the streams in flight measured
         assert all(r["streams_in_flight"]["peak"] >= 1 for r in data["rounds"])
         assert w["arrival_rate_per_s"] == pytest.approx(8 / ((8 + 0.5) * 0.005), rel=1e-3)
-    assert set(data["stats"]["added_ms"]) == {"ttft_ms", "e2e_ms"}
-    assert data["stats"]["paired_ms"]["ttft"]["n"] == n
+    measures = {"ttft_ms", "e2e_ms", "ttft_outside_ms", "e2e_outside_ms"}
+    assert set(data["stats"]["added_ms"]) == set(data["stats"]["paired_ms"]) == measures
+    assert all(data["stats"]["paired_ms"][m]["n"] == n for m in measures)
+    assert len(data["round_pair_added_ms"]) == data["workload"]["rounds"]
+    assert all(set(d) == {"round", *measures} for d in data["round_pair_added_ms"])
     per = data["per_gateway_request"]
     assert per["requests"] == n
+    if a_a:  # both sides went to the replica: the gateway saw no request, and there is no verdict
+        assert per["gateway_redis_round_trips"]["request_path"] == 0 and data["targets"] == {}
+        return
     # Every gateway request makes its admission round trip on the request path.
     assert per["gateway_redis_round_trips"]["by_op"]["admit"] == pytest.approx(1.0)
     assert per["gateway_redis_round_trips"]["request_path"] >= 1.0
     assert per["redis_commands"]["total"] > 0 and per["cpu_ms"]["gateway"] > 0
     assert data["per_direct_request"]["cpu_ms"]["engine"] > 0
     assert [r["side"] for r in data["rounds"]] == ["direct", "gateway"]
-    assert set(data["targets"]) == {"added_latency", "redis_round_trips"}
+    assert set(data["targets"]) == {"added_latency", "added_latency_end_to_end", "redis_round_trips"}
     assert all(isinstance(t["met"], bool) for t in data["targets"].values())
-    assert len(data["round_pair_added_ms"]) == data["workload"]["rounds"]
     if layout == "isolated":  # the gateway and Redis got the second half of the CPUs, the rest the first half
         half = len(cpus) // 2
         assert data["cpu_layout"] == {"layout": "isolated", "gateway_and_redis": cpus[half:],
@@ -167,20 +178,25 @@ def test_streams_in_flight_mean_and_peak() -> None:
 
 
 def test_added_latency_is_met_only_when_every_round_pair_agrees() -> None:
-    rounds = [{"round": k, "side": side, "ttft_p50_ms": p50, "ttft_p99_ms": p99}
-              for k, (d, g) in enumerate([((500.0, 800.0), (498.0, 790.0)), ((480.0, 700.0), (540.0, 760.0))])
+    rounds = [{"round": k, "side": side, "ttft_ms": {"p50": p50, "p99": p99}}
+              for k, (d, g) in enumerate([((500.0, 800.0), (498.0, 790.0)), ((480.0, 700.0), (540.0, None))])
               for side, (p50, p99) in (("direct", d), ("gateway", g))]  # fmt: skip
     pairs = overhead.pair_differences(rounds)
     assert pairs == [
-        {"round": 0, "ttft_p50_ms": -2.0, "ttft_p99_ms": -10.0},
-        {"round": 1, "ttft_p50_ms": 60.0, "ttft_p99_ms": 60.0},
+        {"round": 0, "ttft_ms": {"p50": -2.0, "p99": -10.0}},
+        {"round": 1, "ttft_ms": {"p50": 60.0, "p99": None}},
     ]
     pooled = lambda p50, p99: {m: {"p50": p50, "p99": p99} for m in ("ttft_ms", "e2e_ms")}  # noqa: E731
     # pooled under the limits, but the second pair added 60 ms: the run shows nothing either way
-    verdict = overhead.added_latency_verdict
+    verdict = lambda added, pairs: {  # noqa: E731
+        k: v
+        for k, v in overhead.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms").items()
+        if k != "detail"
+    }
     assert verdict(pooled(1.0, 5.0), pairs) == {"met": False, "inconclusive": True}
     assert verdict(pooled(1.0, 5.0), pairs[:1]) == {"met": True, "inconclusive": False}
     assert verdict(pooled(30.0, 5.0), pairs[:1]) == {"met": False, "inconclusive": False}
+    assert verdict(pooled(1.0, None), pairs[:1]) == {"met": False, "inconclusive": False}  # no p99: not met
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------
@@ -308,8 +324,12 @@ def test_summary_compare_and_targets() -> None:
 
 def test_overhead_statistics() -> None:
     S = overhead.Sample
-    samples = [S("direct", 0, c, 0, True, 0.010 + c / 1000, 0.020, None) for c in range(5)]
-    samples += [S("gateway", 0, c, 0, True, 0.012 + c / 1000, 0.025, None) for c in range(5)]
+    # The replica's own TTFT of client c's request lands c steps of 50 ms late (its step clock); the
+    # gateway's requests spend 2 ms more outside it.
+    samples = [S("direct", 0, c, 0, True, 0.010 + 0.05 * c, 0.020 + 0.05 * c, None, 0.0, 0.008 + 0.05 * c,
+                 0.017 + 0.05 * c) for c in range(5)]  # fmt: skip
+    samples += [S("gateway", 0, c, 0, True, 0.012 + 0.05 * c, 0.025 + 0.05 * c, None, 0.0, 0.008 + 0.05 * c,
+                  0.017 + 0.05 * c) for c in range(5)]  # fmt: skip
     samples.append(S("gateway", 0, 9, 0, False, None, None, "HTTP 503: x"))
     st = overhead.side_stats(samples)
     assert (
@@ -317,9 +337,51 @@ def test_overhead_statistics() -> None:
         and st["gateway"]["requests"] == 6
         and st["gateway"]["errors"] == {"HTTP 503: x": 1}
     )
+    assert st["gateway"]["with_engine_timing"] == 5
+    assert st["direct"]["ttft_ms"]["p50"] == pytest.approx(110.0)
+    assert st["direct"]["ttft_outside_ms"] == {"n": 5, "mean": pytest.approx(2.0), "p50": pytest.approx(2.0),
+                                              "p90": pytest.approx(2.0), "p99": pytest.approx(2.0),
+                                              "max": pytest.approx(2.0)}  # fmt: skip
     assert st["added_ms"]["ttft_ms"]["p50"] == pytest.approx(2.0)
     assert st["added_ms"]["e2e_ms"]["p99"] == pytest.approx(5.0)
-    assert st["paired_ms"]["ttft"] == {"n": 5, "p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
+    assert st["added_ms"]["ttft_outside_ms"]["p99"] == pytest.approx(2.0)
+    assert st["added_ms"]["e2e_outside_ms"]["p50"] == pytest.approx(5.0)
+    assert st["paired_ms"]["ttft_ms"] == {"n": 5, "p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
+    assert st["paired_ms"]["e2e_outside_ms"]["n"] == 5
+
+
+def test_overhead_engine_timings_from_the_replica_log(tmp_path: Path) -> None:
+    log = tmp_path / "replica.log"
+    log.write_text(
+        "2026-11-25 08:00:00,001 INFO kvfleet_engine.server.serving: chat gwo-gateway-0-3-0 model=sim status=200"
+        " prompt=21 cached=0 completion=64 ttft=52.4ms e2e=3201.5ms\n"
+        "2026-11-25 08:00:00,002 INFO kvfleet_engine.server.serving: chat gwo-direct-0-3-0 model=sim status=499"
+        " prompt=21 cached=0 completion=3 ttft=40.0ms e2e=90.0ms\n"
+        "2026-11-25 08:00:00,003 INFO kvfleet_engine.server.serving: chat chatcmpl-x model=sim status=200"
+        " prompt=21 cached=0 completion=64 ttft=52.4ms e2e=3201.5ms\n"
+    )  # a disconnected request (499) and one the bench did not send are not its samples' timings
+    assert overhead.engine_timings(log) == {
+        "gwo-gateway-0-3-0": (pytest.approx(0.0524), pytest.approx(3.2015))
+    }
+    samples = [overhead.Sample("gateway", 0, 3, 0, True, 0.06, 3.3, None),
+               overhead.Sample("direct", 0, 3, 0, True, 0.06, 3.3, None)]  # fmt: skip
+    assert overhead.attach_engine_timings(samples, log, wait_s=0.0) == 1
+    assert samples[0].engine_ttft == pytest.approx(0.0524) and samples[1].engine_ttft is None
+
+
+def test_overhead_verdict_reads_the_measure_asked_for() -> None:
+    added = {"ttft_outside_ms": {"p50": 1.2, "p99": 0.8}, "e2e_outside_ms": {"p50": -0.8, "p99": 6.0},
+             "ttft_ms": {"p50": 1.6, "p99": 25.0}, "e2e_ms": {"p50": 0.3, "p99": -18.0}}  # fmt: skip
+    pairs = [{"round": 0, "ttft_outside_ms": {"p50": 1.1, "p99": 3.0}, "ttft_ms": {"p50": 1.8, "p99": 30.0}},
+             {"round": 1, "ttft_outside_ms": {"p50": 1.4, "p99": -2.0}, "ttft_ms": {"p50": 1.2, "p99": 9.0}}]  # fmt: skip
+    v = overhead.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
+    assert v["met"] is True and v["inconclusive"] is False
+    assert "+1.1 / +3.0, +1.4 / -2.0" in v["detail"]
+    e2e = overhead.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms")
+    assert e2e["met"] is False and e2e["inconclusive"] is False  # the pooled TTFT p99 is over the limit
+    pairs[0]["ttft_outside_ms"]["p99"] = 12.0  # pooled under the limits, one pair over: the run shows nothing
+    v = overhead.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
+    assert v["met"] is False and v["inconclusive"] is True
 
 
 def test_histogram_quantile() -> None:
