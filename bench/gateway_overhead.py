@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import re
@@ -352,6 +353,24 @@ def make_prompts(
     return sc.make_prompts(tokenizer, count, args.prompt_words, seed=args.seed * 100 + salt, words=words)
 
 
+@contextlib.contextmanager
+def collections_between_rounds():
+    """The load generator's garbage collections wait until the round is over. This process holds the
+    tokenizer (transformers, torch: hundreds of thousands of objects), and a full collection in the middle
+    of a round stalled every stream in flight for 100-200 ms: one such cluster per round decided the p99 of
+    whichever side it fell in (seen in the request table: on both sides, at one moment per round, outside
+    the replica's time)."""
+    gc.collect()
+    gc.freeze()  # what is alive now (the tokenizer, the clients) is not walked again
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        gc.collect()
+
+
 async def measure(
     fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str]
 ) -> dict[str, Any]:
@@ -390,7 +409,8 @@ async def measure(
                         else f"{args.concurrency} streams x {args.requests_per_client}")  # fmt: skip
                 common.log(f"round {k + 1}/{args.rounds}: {side}, {what}")
                 before = Snapshot.take(fl)
-                got, wall, streams = await run_round(c, side, k, texts, args, args.seed * 1000 + k)
+                with collections_between_rounds():
+                    got, wall, streams = await run_round(c, side, k, texts, args, args.seed * 1000 + k)
                 d = delta(before, Snapshot.take(fl))
                 counters[side] = _add(counters[side], d)
                 samples.extend(got)
@@ -737,6 +757,16 @@ def render(result: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def request_table(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Every measured request, one row each (for looking at the tails: when, which side, inside or outside
+    the replica); times in ms, ``start``: into its round."""
+    fields = ["side", "round", "client", "index", "start_ms", "ttft_ms", "e2e_ms", "engine_ttft_ms",
+              "engine_e2e_ms", "error"]  # fmt: skip
+    rows = [[s.side, s.round, s.client, s.index, _ms(s.start), _ms(s.ttft), _ms(s.e2e), _ms(s.engine_ttft),
+             _ms(s.engine_e2e), s.error] for s in samples]  # fmt: skip
+    return {"fields": fields, "rows": rows}
+
+
 def add_round_percentiles(rounds: list[dict[str, Any]], samples: Sequence[Sample]) -> None:
     """p50 and p99 of every measure in each round's entry (``"ttft_ms": {"p50", "p99"}``, ...)."""
     for r in rounds:
@@ -864,6 +894,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             m["reference_counters"], args.reference_requests
         )
         result["counters"] = m["counters"]
+        result["requests"] = request_table(m["samples"])
         if args.profile:
             try:
                 result["profile"] = profile_gateway(fl, args, tokenizer, words, log_dir)

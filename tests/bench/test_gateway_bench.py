@@ -127,6 +127,8 @@ def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: s
         assert 0 < s["ttft_outside_ms"]["p50"] < s["ttft_ms"]["p50"]
         assert 0 < s["e2e_outside_ms"]["p50"] < s["e2e_ms"]["p50"]
     assert data["engine_timings_missing"] == 0
+    table = [dict(zip(data["requests"]["fields"], row)) for row in data["requests"]["rows"]]
+    assert len(table) == 2 * n and all(r["engine_ttft_ms"] < r["ttft_ms"] for r in table)
     assert data["config"]["reference_requests"] == (0 if load == "paced" else 4)
     if load == "paced":  # every request of a round was timed, with the streams in flight measured
         assert all(r["streams_in_flight"]["peak"] >= 1 for r in data["rounds"])
