@@ -4,6 +4,7 @@ assertions); plus their pure helpers (workload building, capacity calibration, s
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -350,6 +351,18 @@ def test_overhead_statistics() -> None:
     assert st["added_ms"]["e2e_outside_ms"]["p50"] == pytest.approx(5.0)
     assert st["paired_ms"]["ttft_ms"] == {"n": 5, "p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
     assert st["paired_ms"]["e2e_outside_ms"]["n"] == 5
+
+
+def test_overhead_rounds_hold_the_load_generators_collections() -> None:
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    with overhead.collections_between_rounds():
+        assert not gc.isenabled() and gc.get_freeze_count() > frozen
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0 if frozen == 0 else gc.get_freeze_count() >= frozen
+    with pytest.raises(RuntimeError), overhead.collections_between_rounds():
+        raise RuntimeError("a round failed")
+    assert gc.isenabled()  # whatever happened in the round
 
 
 def test_overhead_engine_timings_from_the_replica_log(tmp_path: Path) -> None:
