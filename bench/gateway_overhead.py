@@ -187,10 +187,10 @@ class Sample:
 
     @property
     def request_id(self) -> str:
-        return request_id(self.side, self.round, self.client, self.index)
+        return bench_request_id(self.side, self.round, self.client, self.index)
 
 
-def request_id(side: str, rnd: int, client: int, index: int) -> str:
+def bench_request_id(side: str, rnd: int, client: int, index: int) -> str:
     """The ``X-Request-Id`` a request carries (the gateway forwards it; the replica logs it)."""
     return f"gwo-{side}-{rnd}-{client}-{index}"
 
@@ -199,9 +199,8 @@ async def send(
     client: Any, side: str, rnd: int, i: int, j: int, text: str, output_len: int, t0: float = 0.0
 ) -> Sample:
     """One streamed request; ``t0``: the round's start (``Sample.start`` is counted from it)."""
-    r = await fleet_mod.stream_request(
-        client, "/v1/chat/completions", body(text, output_len), {"x-request-id": request_id(side, rnd, i, j)}
-    )
+    headers = {"x-request-id": bench_request_id(side, rnd, i, j)}
+    r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(text, output_len), headers)
     return Sample(side, rnd, i, j, r.ok, r.ttft, r.e2e, r.error, r.sent - t0)
 
 
