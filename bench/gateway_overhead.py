@@ -135,6 +135,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--a-a", action="store_true",
                    help="calibration: the second side goes straight to the replica as well (an A/A test: how\n"
                         "far two identical sides differ on each measure on this machine; no verdict)")  # fmt: skip
+    p.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                   help="the load generator's HTTP client: lean (default; _fleet.SseClient, events parsed in the\n"
+                        "connection callback) or httpx (~4x its CPU per stream, which the shared layout takes\n"
+                        "from the replica and the gateway)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="sample the gateway with py-spy in extra rounds")
     p.add_argument("--profile-rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -202,6 +206,13 @@ async def send(
     headers = {"x-request-id": bench_request_id(side, rnd, i, j)}
     r = await fleet_mod.stream_request(client, "/v1/chat/completions", body(text, output_len), headers)
     return Sample(side, rnd, i, j, r.ok, r.ttft, r.e2e, r.error, r.sent - t0)
+
+
+def open_client(args: argparse.Namespace, base_url: str, api_key: str | None) -> Any:
+    """The load generator's client for one side (``--client``), to use in ``async with``."""
+    if args.client == "httpx":
+        return fleet_mod.make_client(base_url, api_key, 120.0)
+    return fleet_mod.SseClient(base_url, api_key, 120.0)
 
 
 def body(prompt: str, output_len: int) -> dict[str, Any]:
@@ -381,10 +392,13 @@ async def measure(
     each."""
     assert fl.api_key is not None
     paced = args.load == "paced"
-    direct = fleet_mod.make_client(fl.engine_urls[0], None, 120.0)
+    direct = open_client(args, fl.engine_urls[0], None)
     # --a-a: the "gateway" side goes straight to the replica too (what the measures read when nothing differs)
-    gateway = (fleet_mod.make_client(fl.engine_urls[0], None, 120.0) if args.a_a
-               else fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0))  # fmt: skip
+    gateway = (
+        open_client(args, fl.engine_urls[0], None)
+        if args.a_a
+        else open_client(args, fl.gateway_url, fl.api_key)
+    )
     clients = {"direct": direct, "gateway": gateway}
     async with direct, gateway:
         warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
@@ -638,7 +652,7 @@ async def _profile_rounds(
 ) -> int:
     assert fl.api_key is not None
     n = 0
-    async with fleet_mod.make_client(fl.gateway_url, fl.api_key, 120.0) as c:
+    async with open_client(args, fl.gateway_url, fl.api_key) as c:
         per_round = (
             args.requests_per_round if args.load == "paced" else args.concurrency * args.requests_per_client
         )
@@ -749,6 +763,7 @@ def render(result: dict[str, Any]) -> None:
                      f"on {lay['clients_and_replica']}")  # fmt: skip
     else:
         notes.append("CPU layout shared: clients, replica, gateway and Redis on the same CPUs")
+    notes.append(f"load generator's client: {result['config'].get('client', 'httpx')}")
     notes.extend(result["notes"])
     common.print_table(
         f"Gateway overhead: {result['command']}",

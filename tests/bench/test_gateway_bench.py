@@ -4,6 +4,7 @@ assertions); plus their pure helpers (workload building, capacity calibration, s
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.util
 import json
@@ -102,16 +103,22 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
     )
 
 
-@pytest.mark.parametrize(("load", "a_a"), [("paced", False), ("closed", False), ("paced", True)])
-def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: str, a_a: bool) -> None:
+@pytest.mark.parametrize(
+    ("load", "a_a", "client"), [("paced", False, "lean"), ("closed", False, "httpx"), ("paced", True, "lean")]
+)
+def test_gateway_overhead_quick_writes_stats(
+    tmp_path: Path, demo_model, load: str, a_a: bool, client: str
+) -> None:
     out = tmp_path / "overhead.json"
     cpus = sorted(os.sched_getaffinity(0))
     layout = "isolated" if len(cpus) >= 2 and load == "closed" else "shared"
     argv = ["--quick", "--load", load, "--model", str(demo_model(preset="tiny")), "--log-dir",
-            str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout, *(["--a-a"] if a_a else [])]  # fmt: skip
+            str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout, "--client", client,
+            *(["--a-a"] if a_a else [])]  # fmt: skip
     result = overhead.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
+    assert data["config"]["client"] == client
     w = data["workload"]
     assert w["load"] == load
     n = w["rounds"] * (
@@ -157,6 +164,86 @@ def test_gateway_overhead_quick_writes_stats(tmp_path: Path, demo_model, load: s
         assert data["cpu_layout"] == {"layout": "isolated", "gateway_and_redis": cpus[half:],
                                       "clients_and_replica": cpus[:half]}  # fmt: skip
     assert os.sched_getaffinity(0) == set(cpus)  # the test process got its CPUs back
+
+
+def _sse_server(pieces: list[bytes], status: int = 200):
+    """A one-shot HTTP server answering every request with ``status`` and a chunked body written in
+    ``pieces`` (each flushed on its own, with a pause, so the client gets them apart)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
+        await reader.readexactly(length)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+        )
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+def _event(obj: dict | str) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("cut", [1, 7, 10_000])
+def test_sse_client_reads_events_cut_anywhere(cut: int) -> None:
+    """The bench's lean client: the events' text, usage and first-text time, whatever the TCP pieces."""
+    body = b"".join([
+        _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        _event({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}),
+        _event({"choices": [{"index": 0, "delta": {"content": "lo é"}}]}),
+        _event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                         "prompt_tokens_details": {"cached_tokens": 4}}}),
+        _event("[DONE]"),
+    ])  # fmt: skip
+    pieces = [body[i : i + cut] for i in range(0, len(body), cut)]
+
+    async def go() -> fleet.StreamResult:
+        server = await _sse_server(pieces)
+        port = server.sockets[0].getsockname()[1]
+        async with server, fleet.SseClient(f"http://127.0.0.1:{port}", "k", 10) as client:
+            return await fleet.stream_request(client, "/v1/chat/completions", {"stream": True})
+
+    r = asyncio.run(go())
+    assert r.ok and r.error is None, r.error
+    assert r.text == "Hello é" and (r.prompt_tokens, r.output_tokens, r.cached_tokens) == (5, 2, 4)
+    assert 0 < r.ttft <= r.e2e
+
+
+def test_sse_client_reports_errors_without_raising() -> None:
+    async def go(pieces: list[bytes], status: int = 200) -> fleet.StreamResult:
+        server = await _sse_server(pieces, status)
+        port = server.sockets[0].getsockname()[1]
+        async with server, fleet.SseClient(f"http://127.0.0.1:{port}", None, 10) as client:
+            return await client.stream("/v1/completions", {})
+
+    r = asyncio.run(go([b'{"error": {"message": "slow down"}}'], status=429))
+    assert not r.ok and r.status == 429 and "slow down" in r.error
+    r = asyncio.run(go([_event({"error": {"message": "replica died"}}), _event("[DONE]")]))
+    assert not r.ok and "replica died" in r.error
+    r = asyncio.run(go([b"data: {not json\n\n"]))
+    assert not r.ok and "JSONDecodeError" in r.error
+    r = asyncio.run(go([_event({"choices": [{"index": 0, "delta": {"content": "x"}}]}), _event("[DONE]")]))
+    assert not r.ok and r.error == "no usage in the stream"
+
+    async def refused() -> fleet.StreamResult:
+        async with fleet.SseClient("http://127.0.0.1:1", None, 10) as client:
+            return await client.stream("/v1/completions", {})
+
+    r = asyncio.run(refused())
+    assert not r.ok and "UpstreamConnectError" in r.error
 
 
 def test_paced_arrivals_hold_the_concurrency_asked_for() -> None:
