@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,8 +46,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
+    """The 400 for pydantic / FastAPI validation errors: the first problem, named by its field."""
+    message, param = _validation_message(errors)
+    return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -63,6 +70,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
+def too_large_response(max_bytes: int) -> JSONResponse:
+    return JSONResponse(
+        error_body(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large"),
+        status_code=413,
+    )
+
+
+def unexpected_error_response(exc: BaseException) -> JSONResponse:
+    """A 500 that names the exception's type only (the caller logs the traceback)."""
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -70,8 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+        return validation_error_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -82,7 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+        return unexpected_error_response(exc)
 
 
 def bearer_token(request: Request) -> str | None:
@@ -97,6 +115,14 @@ def bearer_matches(request: Request, secret: str) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), secret.encode())
 
 
+def declared_length_exceeds(scope: Scope, max_bytes: int) -> bool:
+    """Whether the request's Content-Length says more than ``max_bytes``."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+            return True
+    return False
+
+
 class BodySizeLimit:
     """413 for request bodies over ``max_bytes`` (by Content-Length, or counted while streaming in)."""
 
@@ -107,10 +133,9 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
-                return
+        if declared_length_exceeds(scope, self.max_bytes):
+            await self._reject(send)
+            return
         seen = 0
         too_big = False
 
@@ -130,10 +155,7 @@ class BodySizeLimit:
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body = JSONResponse(
-            error_body(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large"),
-            status_code=413,
-        )
+        body = too_large_response(self.max_bytes)
         await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
         await send({"type": "http.response.body", "body": body.body})
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -20,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvfleet_common
 from kvfleet_common.gc_heap import freeze_long_lived
-from kvfleet_common.http import ApiError, BodySizeLimit, bearer_token, install_error_handlers
+from kvfleet_common.http import BodySizeLimit, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +31,9 @@ from kvfleet_common.registry import AsyncRegistry
 from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_common.schemas import TenantRecord
 from kvfleet_gateway.admin import build_admin_router
+from kvfleet_gateway.auth import require_tenant
 from kvfleet_gateway.config import GatewayConfig
+from kvfleet_gateway.fast_path import GatewayApp, redis_down_response
 from kvfleet_gateway.fleet import FleetView, RedisCalls, RedisUnavailable, TenantCache
 from kvfleet_gateway.load import LoadTracker
 from kvfleet_gateway.metrics import GatewayMetrics
@@ -48,25 +49,6 @@ _ERRORS = {
     for s, d in [(400, "invalid request"), (401, "invalid API key"), (403, "model not allowed"),
                  (404, "unknown model"), (413, "body too large"), (429, "rate limited"), (503, "unavailable")]
 }  # fmt: skip
-
-
-async def require_tenant(request: Request) -> TenantRecord:
-    """Dependency: ``Authorization: Bearer <api key>`` -> the tenant (401 otherwise)."""
-    token = bearer_token(request)
-    if token is None:
-        request.app.state.metrics.rejected.labels("auth").inc()
-        raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-    try:
-        tenant = await request.app.state.tenants.lookup(hashlib.sha256(token.encode()).hexdigest())
-    except RedisUnavailable as e:
-        raise ApiError(
-            503, f"{e}; retry shortly", code="registry_unavailable", headers={"Retry-After": "2"}
-        ) from None
-    if tenant is None:
-        request.app.state.metrics.rejected.labels("auth").inc()
-        raise ApiError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    return tenant
 
 
 Tenant = Annotated[TenantRecord, Depends(require_tenant)]
@@ -118,24 +100,23 @@ def build_app(config: GatewayConfig) -> FastAPI:
             await http.aclose()
             await registry.aclose()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="kvfleet gateway",
         version=kvfleet_common.__version__,
         description="One OpenAI-compatible endpoint for every tenant and model, routed to the replica that "
         "already caches the prompt's prefix. Admin API under /admin.",
         lifespan=lifespan,
     )
+    app.fast_path = config.fast_path
     app.state.config = config
     app.state.metrics = metrics
     install_error_handlers(app)
 
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)
-    async def _redis_down(_: Request, exc: redis.exceptions.RedisError) -> JSONResponse:
+    async def _redis_down(_: Request, exc: redis.exceptions.RedisError) -> Response:
         # the admin API reads and writes Redis directly: while it is down that is a 503, not a bug
-        logger.warning("redis unavailable: %s", exc)
-        return ApiError(503, "the registry (Redis) is unavailable; retry shortly", code="registry_unavailable",
-                        headers={"Retry-After": "2"}).response()  # fmt: skip
+        return redis_down_response(exc)
 
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
 

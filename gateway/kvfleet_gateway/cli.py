@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a prefix this gateway routed counts as cached on that replica before the KV index "
         "confirms it (0: trust only the index)",
     )
+    p.add_argument(
+        "--no-fast-path",
+        dest="fast_path",
+        action="store_false",
+        help="serve /v1/chat/completions and /v1/completions through FastAPI's middleware stack like the other "
+        "endpoints (slower; the default answers them ahead of it: kvfleet_gateway.fast_path)",
+    )
     add_connection_args(p, closes_first="the load balancer in front (60 s on most)")
     p.add_argument("--log-level", default="info")
     return p  # fmt: skip
@@ -91,7 +98,7 @@ def main(argv: list[str]) -> int:
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
             max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
             registry_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
-            registry_refresh_s=args.registry_refresh, **kw,
+            registry_refresh_s=args.registry_refresh, fast_path=args.fast_path, **kw,
         )  # fmt: skip
     except ValueError as e:
         print(f"kvfleet gateway: {e}")

@@ -34,6 +34,8 @@ class GatewayConfig:
     # Redis operations in flight: more wait, first come first served (one Redis server runs one command at
     # a time, so more connections add no throughput, only file descriptors and server-side clients).
     max_concurrent_redis_ops: int = 32
+    # the proxied endpoints ahead of FastAPI's stack (kvfleet_gateway.fast_path); off: through FastAPI
+    fast_path: bool = True
 
     def __post_init__(self) -> None:
         if self.default_policy not in POLICIES:

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL, wait_until
+from gateway_harness import MODEL, run_gateway, wait_until
 
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -401,3 +401,70 @@ def _fuzz(op, base_url: str, token: str, failures: list) -> None:
             failures.append((op.method, op.path, case.body, response.status_code, response.text[:300]))
 
     fuzz()
+
+
+# ---- the fast path (kvfleet_gateway.fast_path) -------------------------------------------------------
+
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+_UGLY = [  # (name, body, headers beyond the tenant's key; None: no key at all)
+    ("malformed JSON", b"{not json", {}),
+    ("truncated JSON", b'{"model": "', {}),
+    ("no key", json.dumps(_CHAT).encode(), None),
+    ("wrong key", json.dumps(_CHAT).encode(), {"Authorization": "Bearer kvf-wrong"}),
+    ("not a bearer key", json.dumps(_CHAT).encode(), {"Authorization": "Basic Zm9vOmJhcg=="}),
+    ("negative temperature", json.dumps({**_CHAT, "temperature": -1}).encode(), {}),
+    ("n = 0", json.dumps({**_CHAT, "n": 0}).encode(), {}),
+    ("two problems", json.dumps({**_CHAT, "n": 0, "top_p": 7}).encode(), {}),
+    ("no messages", json.dumps({"model": MODEL}).encode(), {}),
+    ("messages an object", json.dumps({"model": MODEL, "messages": {"role": "user"}}).encode(), {}),
+    ("unknown model", json.dumps({**_CHAT, "model": "nope"}).encode(), {}),
+    ("too long for the model", json.dumps({**_CHAT, "messages": [{"role": "user", "content": "word " * 2000}]}).encode(), {}),
+    ("too large", json.dumps({**_CHAT, "messages": [{"role": "user", "content": "x" * (33 << 20)}]}).encode(), {}),
+]  # fmt: skip
+
+
+def _post(url: str, path: str, body: bytes, headers: dict | None, key: str) -> httpx.Response:
+    h = {"content-type": "application/json"}
+    if headers is not None:
+        h["Authorization"] = f"Bearer {key}"
+        h.update(headers)
+    return httpx.post(f"{url}{path}", content=body, headers=h, timeout=60)
+
+
+def test_the_fast_path_answers_like_fastapi(fleet, key):
+    """Every ugly request gets the same status and the same OpenAI-shaped error from the fast path as
+    from the FastAPI routes (``--no-fast-path``), and a good request the same completion."""
+    with run_gateway(fleet.redis.url, fleet.log_dir, "--no-fast-path") as slow:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for name, body, headers in _UGLY:
+                if path == "/v1/completions" and body.startswith(b"{") and b"messages" in body:
+                    body = body.replace(b'"messages"', b'"prompt"')
+                fast_r = _post(fleet.gateway.url, path, body, headers, key)
+                slow_r = _post(slow.url, path, body, headers, key)
+                assert fast_r.status_code == slow_r.status_code, (path, name, fast_r.text, slow_r.text)
+                assert fast_r.status_code in (400, 401, 404, 413), (path, name, fast_r.text)
+                assert fast_r.json() == slow_r.json(), (path, name)
+                assert fast_r.headers.get("www-authenticate") == slow_r.headers.get("www-authenticate")
+        good = {**_CHAT, "max_tokens": 5, "temperature": 0}
+        answers = [
+            _post(g.url, "/v1/chat/completions", json.dumps(good).encode(), {}, key)
+            for g in (fleet.gateway, slow)
+        ]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert answers[0].json()["choices"] == answers[1].json()["choices"]
+        # not on the fast path: other methods, other paths
+        assert httpx.get(f"{fleet.gateway.url}/v1/chat/completions").status_code == 405
+    assert "POST /v1/chat/completions rejected: 401" in fleet.gateway.log()  # rejections get their log line
+
+
+def test_the_fast_path_reads_json_whatever_the_content_type(fleet, key):
+    """``curl -d`` sends form-encoded headers; an empty body or a non-object is a clear 400."""
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", content=json.dumps(_CHAT),
+                   headers={"Authorization": f"Bearer {key}", "content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    for body, fragment in ((b"", "empty"), (b"  \n", "empty"), (b"[1, 2]", "valid dictionary"),
+                           (b"\xff\xfe{}", "not valid JSON")):  # fmt: skip
+        r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", content=body,
+                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
