@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import pydantic
@@ -42,6 +43,7 @@ from kvfleet_common.http import (
 )
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet_gateway.auth import require_tenant
+from kvfleet_gateway.proxy import RECEIVED_AT
 
 logger = logging.getLogger("kvfleet_gateway")
 
@@ -82,6 +84,7 @@ class GatewayApp(FastAPI):
 async def serve_proxied(
     endpoint: str, model: type[pydantic.BaseModel], scope: Scope, receive: Receive, send: Send
 ) -> None:
+    scope[RECEIVED_AT] = time.perf_counter()  # the request's clock starts before its body is read
     request = Request(scope, receive)
     state = scope["app"].state
     try:

@@ -58,6 +58,8 @@ tracer = trace.get_tracer("kvfleet.gateway")
 MAX_ATTEMPTS = 3
 SLEEPING_HEADER = "x-kvfleet-replica-state"  # the engine's 503 while asleep (engine server SLEEPING_HEADERS)
 DOWN_AFTER_CONNECT_ERROR_S = redis_keys.HEARTBEAT_TTL_S + 1.0
+# ASGI scope key: perf_counter when the request arrived (set by the fast path, ahead of body parsing)
+RECEIVED_AT = "kvfleet.received_at"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
@@ -69,7 +71,7 @@ class Routed:
     endpoint: str
     tenant: TenantRecord
     model: str
-    started: float
+    started: float  # perf_counter at arrival (the fast path's entry, else the handler's)
     prompt_tokens: int | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     decision: Decision | None = None
@@ -78,9 +80,15 @@ class Routed:
     attempts: int = 0
     status: int = 0
     first_byte_at: float | None = None
+    overhead: float | None = None  # arrival -> the upstream request sent (first attempt)
+    ttft: float | None = None  # arrival -> the stream's first event handed to the client
     usage: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
     relayed_to_end: bool = False  # a stream's last event (or its error event) was handed to the client
+
+
+def _ms(seconds: float | None, digits: int) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.{digits}f}ms"
 
 
 def _salt(tenant: TenantRecord, client_salt: str | None) -> str:
@@ -139,7 +147,8 @@ class Proxy:
     ) -> Response:
         r = Routed(
             request_id=raw.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}",
-            endpoint=endpoint, tenant=tenant, model=body.model, started=time.perf_counter(),
+            endpoint=endpoint, tenant=tenant, model=body.model,
+            started=raw.scope.get(RECEIVED_AT) or time.perf_counter(),
         )  # fmt: skip
         # The span covers the whole proxied request: for a stream it is ended by the relay (_StreamRelay),
         # after the last event, so the stream's outcome and usage land on it. It is the gateway's server
@@ -329,7 +338,8 @@ class Proxy:
         last_error = "no candidate"
         asleep = 0
         if may_wake:  # once per request (not again after a wake)
-            self.metrics.overhead.labels(r.model).observe(time.perf_counter() - r.started)
+            r.overhead = time.perf_counter() - r.started
+            self.metrics.overhead.labels(r.model).observe(r.overhead)
         for cand in r.decision.ranked[:MAX_ATTEMPTS]:
             if r.attempts and self.fleet.is_down(cand.replica_id):
                 continue
@@ -377,7 +387,8 @@ class Proxy:
 
     def _first_event(self, r: Routed, ticket: Ticket) -> None:
         self.load.prefilled(ticket)
-        self.metrics.ttft.labels(r.model).observe(time.perf_counter() - r.started)
+        r.ttft = time.perf_counter() - r.started
+        self.metrics.ttft.labels(r.model).observe(r.ttft)
 
     def _stream_failed(self, r: Routed, error: BaseException | None) -> bytes:
         """The replica broke off mid-stream: mark it down; the SSE error event and end the client gets."""
@@ -448,11 +459,12 @@ class Proxy:
         span.end()
         logger.info(
             "%s tenant=%s model=%s %s status=%d replica=%s policy=%s prompt=%s cached(pred/actual)=%d/%s "
-            "completion=%s attempts=%d %.1fms%s",
+            "completion=%s attempts=%d overhead=%s ttft=%s %.1fms%s",
             r.request_id, r.tenant.name, r.model, r.endpoint, r.status,
             r.replica.replica_id if r.replica else "-", r.decision.policy if r.decision else "-",
             u.get("prompt_tokens", r.prompt_tokens), r.predicted_cached, cached, u.get("completion_tokens"),
-            r.attempts, duration * 1000, f" fallbacks={','.join(r.fallbacks)}" if r.fallbacks else "",
+            r.attempts, _ms(r.overhead, 2), _ms(r.ttft, 1), duration * 1000,
+            f" fallbacks={','.join(r.fallbacks)}" if r.fallbacks else "",
         )  # fmt: skip
 
 
