@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _serve_common as sc
 import _servers as servers
 import httpx
 import redis
@@ -490,12 +491,8 @@ class _StreamReader:
         if res.e2e is None:
             res.e2e = now - res.sent
         res.text = "".join(self.parts)
-        if res.output_tokens is None:
-            res.error = "no usage in the stream"
-        elif res.ttft is None:
-            res.error = "no text in the stream"
-        else:
-            res.ok = True
+        res.error = sc.stream_shortfall(res.output_tokens, res.ttft)
+        res.ok = res.error is None
         return res
 
 

@@ -164,6 +164,15 @@ def _finish_reason(obj: dict[str, Any]) -> str | None:
     return None
 
 
+def stream_shortfall(output_tokens: int | None, ttft: float | None) -> str | None:
+    """What a stream that ended cleanly lacked to count as a success (None: nothing)."""
+    if output_tokens is None:
+        return "no usage in the stream"
+    if ttft is None:
+        return "no text in the stream"
+    return None
+
+
 async def stream_request(
     client: httpx.AsyncClient, path: str, body: dict[str, Any], keep_text: bool = False
 ) -> RequestResult:
@@ -208,12 +217,8 @@ async def stream_request(
         res.e2e = time.perf_counter() - res.sent
         if keep_text:
             res.text = "".join(parts)
-        if res.output_tokens is None:
-            res.error = "no usage in the stream"
-        elif res.ttft is None:
-            res.error = "no text in the stream"
-        else:
-            res.ok = True
+        res.error = stream_shortfall(res.output_tokens, res.ttft)
+        res.ok = res.error is None
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res

@@ -43,6 +43,10 @@ the gateway's own cost without queueing; ``closed`` only); the gateway's ``kvfle
 ``total_commands_processed`` / ``INFO commandstats`` deltas per request, over the gateway rounds and,
 for comparison, over the direct rounds (what the replica's heartbeats and KV events cost on their own).
 
+The load generator's client (``--client``) is ``_fleet.SseClient`` by default: each event is parsed and
+timed in its connection's callback, at ~2 ms of CPU per 64-token stream; httpx (``--client httpx``) took ~8 ms,
+from the CPUs the replica and the gateway share with it, and its own time inflated the direct baseline.
+
 ``--cpu-layout isolated`` gives the gateway (and Redis) half of the CPUs and the clients and the replica the
 other half, as in a deployment where the gateway has its own node. In the default shared layout the closed
 loop keeps every CPU busy, so whatever CPU the gateway spends per request comes out of the clients' and the
@@ -188,6 +192,9 @@ class Sample:
     # the replica's own view (its per-request log line): arrival at its handler -> first token / last chunk
     engine_ttft: float | None = None
     engine_e2e: float | None = None
+    # the gateway's own view (its per-request log line): arrival -> upstream request sent / first event relayed
+    gateway_overhead: float | None = None
+    gateway_ttft: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -505,10 +512,36 @@ ENGINE_LOG_LINE = re.compile(
 )
 
 
+# the gateway's per-request INFO line (kvfleet_gateway.proxy): overhead = arrival -> upstream request sent
+GATEWAY_LOG_LINE = re.compile(
+    r"(gwo-\S+) tenant=\S+ model=\S+ \S+ status=200 .*? overhead=([\d.]+)ms ttft=([\d.]+)ms"
+)
+
+
 def engine_timings(log_path: Path) -> dict[str, tuple[float, float]]:
     """Request id -> the replica's own (TTFT, E2E) in seconds, from its log."""
+    return _log_timings(log_path, ENGINE_LOG_LINE)
+
+
+def gateway_timings(log_path: Path) -> dict[str, tuple[float, float]]:
+    """Request id -> the gateway's own (arrival -> upstream request sent, arrival -> first event relayed)."""
+    return _log_timings(log_path, GATEWAY_LOG_LINE)
+
+
+def _log_timings(log_path: Path, line: re.Pattern[str]) -> dict[str, tuple[float, float]]:
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    return {m[1]: (float(m[2]) / 1e3, float(m[3]) / 1e3) for m in ENGINE_LOG_LINE.finditer(text)}
+    return {m[1]: (float(m[2]) / 1e3, float(m[3]) / 1e3) for m in line.finditer(text)}
+
+
+def attach_gateway_timings(samples: Sequence[Sample], log_path: Path) -> int:
+    """Fill ``gateway_overhead`` / ``gateway_ttft`` of the gateway side's successful samples (logged by the
+    time the replica's lines are in). Returns how many are missing."""
+    timings = gateway_timings(log_path)
+    mine = [s for s in samples if s.ok and s.side == "gateway"]
+    for s in mine:
+        if (t := timings.get(s.request_id)) is not None:
+            s.gateway_overhead, s.gateway_ttft = t
+    return sum(s.gateway_overhead is None for s in mine)
 
 
 def attach_engine_timings(samples: Sequence[Sample], log_path: Path, wait_s: float = 10.0) -> int:
@@ -736,10 +769,13 @@ def render(result: dict[str, Any]) -> None:
         notes.append(f"paced load: {w['arrival_rate_per_s']:.1f} requests/s (Poisson), streams in flight per round: "
                      + ", ".join(f"mean {f['mean']:.0f} / peak {f['peak']}" for f in flight)
                      + f"; {w['replica']}")  # fmt: skip
-    ro, rr = result["gateway_routing_overhead_ms"], result["reference_routing_overhead_ms"]
-    notes.append(f"gateway's own routing overhead (arrival -> upstream request sent, its histogram): "
-                 f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds"
-                 + (f"; p50 {_f(rr['p50'])} ms, p99 {_f(rr['p99'])} ms sequential" if rr["p50"] is not None else ""))  # fmt: skip
+    ro, rr = result.get("gateway_request_path_ms") or {}, result["reference_routing_overhead_ms"]
+    if ro.get("n"):
+        added = result["stats"]["added_ms"]["ttft_outside_ms"]["p50"]
+        notes.append(f"gateway's request path (arrival -> upstream request sent, its per-request log): "
+                     f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds, of an added TTFT p50 of "
+                     f"{_f(added)} ms outside the replica (the rest: the extra hops and the relay)"
+                     + (f"; p50 {_f(rr['p50'])} ms sequential (histogram)" if rr["p50"] is not None else ""))  # fmt: skip
     ref_cpu = result["reference_per_gateway_request"].get("cpu_ms")
     if ref_cpu:
         notes.append(f"sequential: gateway CPU {ref_cpu['gateway']:.2f} ms per request")
@@ -779,9 +815,9 @@ def request_table(samples: Sequence[Sample]) -> dict[str, Any]:
     """Every measured request, one row each (for looking at the tails: when, which side, inside or outside
     the replica); times in ms, ``start``: into its round."""
     fields = ["side", "round", "client", "index", "start_ms", "ttft_ms", "e2e_ms", "engine_ttft_ms",
-              "engine_e2e_ms", "error"]  # fmt: skip
+              "engine_e2e_ms", "gateway_overhead_ms", "gateway_ttft_ms", "error"]  # fmt: skip
     rows = [[s.side, s.round, s.client, s.index, _ms(s.start), _ms(s.ttft), _ms(s.e2e), _ms(s.engine_ttft),
-             _ms(s.engine_e2e), s.error] for s in samples]  # fmt: skip
+             _ms(s.engine_e2e), _ms(s.gateway_overhead), _ms(s.gateway_ttft), s.error] for s in samples]  # fmt: skip
     return {"fields": fields, "rows": rows}
 
 
@@ -883,9 +919,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": common.env_info(), "notes": [busy] if busy else [],
     }  # fmt: skip
     cost = fleet_mod.SimCost(0.0, args.step_ms, 0.0, 0.0) if args.load == "paced" else ZERO_COST
-    # the replica at INFO: its per-request line gives its own TTFT and E2E of each request
+    # Both servers at INFO, as deployed: the replica's line per request gives its own TTFT and E2E, the
+    # gateway's its request path (arrival -> upstream request sent).
     with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, replica_args=["--log-level", "info"],
-                         gateway_args=args.gateway_arg, gateway_env=args.gateway_env) as fl:  # fmt: skip
+                         gateway_args=["--log-level", "info", *args.gateway_arg],
+                         gateway_env=args.gateway_env) as fl:  # fmt: skip
         result["boot_s"] = fl.boot("prefix-aware")
         own_cpus = os.sched_getaffinity(0)
         result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
@@ -898,6 +936,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["engine_timings_missing"] = attach_engine_timings(
             m["samples"] + m["reference"], fl.engines[0].log_path
         )
+        result["gateway_timings_missing"] = (
+            0 if args.a_a else attach_gateway_timings(m["samples"] + m["reference"], fl.gateway.log_path)
+        )
         add_round_percentiles(m["rounds"], m["samples"])
         result["rounds"] = m["rounds"]
         result["stats"] = side_stats(m["samples"])
@@ -908,6 +949,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["per_direct_request"] = per_request(m["counters"]["direct"], n_direct)
         result["gateway_routing_overhead_ms"] = overhead_quantiles(m["counters"]["gateway"])
         result["reference_routing_overhead_ms"] = overhead_quantiles(m["reference_counters"])
+        result["gateway_request_path_ms"] = dist(
+            [s.gateway_overhead for s in m["samples"] if s.gateway_overhead is not None]
+        )
         result["reference_per_gateway_request"] = per_request(
             m["reference_counters"], args.reference_requests
         )

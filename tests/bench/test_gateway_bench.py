@@ -135,6 +135,11 @@ def test_gateway_overhead_quick_writes_stats(
         assert 0 < s["ttft_outside_ms"]["p50"] < s["ttft_ms"]["p50"]
         assert 0 < s["e2e_outside_ms"]["p50"] < s["e2e_ms"]["p50"]
     assert data["engine_timings_missing"] == 0
+    if not a_a:  # the gateway logged every request with its own request path, a part of what the client saw
+        assert data["gateway_timings_missing"] == 0 and data["gateway_request_path_ms"]["n"] == n
+        gateway_rows = [dict(zip(data["requests"]["fields"], row)) for row in data["requests"]["rows"]]
+        assert all(0 < r["gateway_overhead_ms"] < r["gateway_ttft_ms"] < r["ttft_ms"]
+                   for r in gateway_rows if r["side"] == "gateway")  # fmt: skip
     table = [dict(zip(data["requests"]["fields"], row)) for row in data["requests"]["rows"]]
     assert len(table) == 2 * n and all(r["engine_ttft_ms"] < r["ttft_ms"] for r in table)
     assert data["config"]["reference_requests"] == (0 if load == "paced" else 4)
@@ -469,6 +474,24 @@ def test_overhead_engine_timings_from_the_replica_log(tmp_path: Path) -> None:
                overhead.Sample("direct", 0, 3, 0, True, 0.06, 3.3, None)]  # fmt: skip
     assert overhead.attach_engine_timings(samples, log, wait_s=0.0) == 1
     assert samples[0].engine_ttft == pytest.approx(0.0524) and samples[1].engine_ttft is None
+
+
+def test_overhead_gateway_timings_from_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "2026-11-25 10:38:19,949 INFO kvfleet_gateway.requests: gwo-gateway-0-1-0 tenant=bench model=sim chat"
+        " status=200 replica=sim-0#17 policy=prefix-aware prompt=21 cached(pred/actual)=0/0 completion=8"
+        " attempts=1 overhead=1.62ms ttft=51.7ms 406.9ms\n"
+        "2026-11-25 10:38:19,950 INFO kvfleet_gateway.requests: gwo-gateway-0-2-0 tenant=bench model=sim chat"
+        " status=503 replica=- policy=- prompt=21 cached(pred/actual)=0/- completion=None attempts=0"
+        " overhead=- ttft=- 0.9ms\n"
+    )  # a request that never reached a replica has no timings
+    assert overhead.gateway_timings(log) == {
+        "gwo-gateway-0-1-0": (pytest.approx(0.00162), pytest.approx(0.0517))
+    }
+    samples = [overhead.Sample("gateway", 0, c, 0, True, 0.06, 3.3, None) for c in (1, 2)]
+    assert overhead.attach_gateway_timings(samples, log) == 1
+    assert samples[0].gateway_overhead == pytest.approx(0.00162) and samples[1].gateway_overhead is None
 
 
 def test_overhead_verdict_reads_the_measure_asked_for() -> None:
