@@ -583,7 +583,9 @@ class SseClient:
                     for line in event.split(b"\n"):
                         if line.startswith(b"data:"):
                             reader.event(line[5:].strip().decode(), now)
-                except ValueError as e:  # malformed JSON or UTF-8: the stream's error, not the loop's
+                # A malformed event (not JSON, not UTF-8, not an object) fails the stream; raised here, in
+                # the connection's callback, it would break the connection instead.
+                except Exception as e:
                     reader.over = True
                     res.error = f"{type(e).__name__}: {e}"
 

@@ -4,9 +4,9 @@ FastAPI's request machinery.
 Why: they carry all of the traffic, and on their way through FastAPI each request passed a dozen ASGI
 layers (error and exception middlewares, FastAPI's telemetry, the OpenTelemetry middleware, the body-size
 limit, routing, dependency solving, body parsing), and each relayed event of a stream went back out
-through a send wrapper per layer. Together that was about a fifth of the gateway's CPU per request
-(py-spy, sequential one-token streams), on the path to every first token. Here the same steps run
-directly, with the same pieces, in the order FastAPI ran them:
+through a send wrapper per layer: about a fifth of the gateway's samples (py-spy, sequential one-token
+streams), on the path to every first token. Here the same steps run directly, with the same pieces, in the
+order FastAPI ran them (0.2 ms, 12 %, less gateway CPU per one-token stream; docs/BENCHMARKS.md):
 
     body over the size limit (413) -> body not JSON (400) -> the tenant's key (401) -> the body's fields
     (400, pydantic, the same request models) -> ``Proxy.handle`` (404 / 403 / 429 / 503 / the answer)

@@ -240,6 +240,8 @@ def test_sse_client_reports_errors_without_raising() -> None:
     assert not r.ok and "replica died" in r.error
     r = asyncio.run(go([b"data: {not json\n\n"]))
     assert not r.ok and "JSONDecodeError" in r.error
+    r = asyncio.run(go([_event("[1, 2]"), _event("[DONE]")]))  # JSON, but not an object
+    assert not r.ok and "AttributeError" in r.error
     r = asyncio.run(go([_event({"choices": [{"index": 0, "delta": {"content": "x"}}]}), _event("[DONE]")]))
     assert not r.ok and r.error == "no usage in the stream"
 
