@@ -533,32 +533,42 @@ def _log_timings(log_path: Path, line: re.Pattern[str]) -> dict[str, tuple[float
     return {m[1]: (float(m[2]) / 1e3, float(m[3]) / 1e3) for m in line.finditer(text)}
 
 
-def attach_gateway_timings(samples: Sequence[Sample], log_path: Path) -> int:
-    """Fill ``gateway_overhead`` / ``gateway_ttft`` of the gateway side's successful samples (logged by the
-    time the replica's lines are in). Returns how many are missing."""
-    timings = gateway_timings(log_path)
-    mine = [s for s in samples if s.ok and s.side == "gateway"]
-    for s in mine:
-        if (t := timings.get(s.request_id)) is not None:
-            s.gateway_overhead, s.gateway_ttft = t
-    return sum(s.gateway_overhead is None for s in mine)
-
-
 def attach_engine_timings(samples: Sequence[Sample], log_path: Path, wait_s: float = 10.0) -> int:
-    """Fill ``engine_ttft`` / ``engine_e2e`` of every successful sample the replica logged (it logs a request
-    just after its last chunk, so the last lines may trail the clients a little). Returns how many are
-    missing."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        timings = engine_timings(log_path)
-        missing = [s for s in samples if s.ok and s.request_id not in timings]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    """Fill ``engine_ttft`` / ``engine_e2e`` of every successful sample the replica logged. Returns how many
+    are missing."""
+    wanted = [s for s in samples if s.ok]
+    timings = _await_lines(wanted, log_path, engine_timings, wait_s)
     for s in samples:
         if (t := timings.get(s.request_id)) is not None:
             s.engine_ttft, s.engine_e2e = t
-    return len(missing)
+    return sum(s.request_id not in timings for s in wanted)
+
+
+def attach_gateway_timings(samples: Sequence[Sample], log_path: Path, wait_s: float = 10.0) -> int:
+    """Fill ``gateway_overhead`` / ``gateway_ttft`` of the gateway side's successful samples. Returns how
+    many are missing."""
+    wanted = [s for s in samples if s.ok and s.side == "gateway"]
+    timings = _await_lines(wanted, log_path, gateway_timings, wait_s)
+    for s in wanted:
+        if (t := timings.get(s.request_id)) is not None:
+            s.gateway_overhead, s.gateway_ttft = t
+    return sum(s.request_id not in timings for s in wanted)
+
+
+def _await_lines(
+    wanted: Sequence[Sample],
+    log_path: Path,
+    read: Callable[[Path], dict[str, tuple[float, float]]],
+    wait_s: float,
+) -> dict[str, tuple[float, float]]:
+    """``read(log_path)`` once every wanted request has its line, or after ``wait_s``: a server logs a
+    request just after its last chunk, so the last lines may trail the clients a little."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        timings = read(log_path)
+        if all(s.request_id in timings for s in wanted) or time.monotonic() > deadline:
+            return timings
+        time.sleep(0.2)
 
 
 def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:

@@ -492,6 +492,7 @@ class _StreamRelay(Response):
             relay = SseRelay(upstream, send, keep_usage, lambda: proxy._first_event(r, ticket))
             outcome = await relay.run(receive)
             if outcome == "client_gone":
+                r.relayed_to_end = relay.ended_stream  # left after [DONE]: a complete request, not a 499
                 return
             last = relay.tail if outcome == "complete" else proxy._stream_failed(r, relay.error)
             await send({"type": "http.response.body", "body": last, "more_body": False})

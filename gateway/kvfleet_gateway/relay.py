@@ -30,6 +30,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Outcome = Literal["complete", "upstream_failed", "client_gone"]
 
 _USAGE_MARK = b'"usage":{'  # a usage object (chunks without one carry "usage":null, or nothing)
+_DONE_MARK = b"data: [DONE]"  # the OpenAI stream's last event
 
 
 class SseRelay:
@@ -37,8 +38,8 @@ class SseRelay:
     afterwards ``usage`` is the stream's usage object (if the replica sent one) and ``tail`` any bytes
     after the last complete event."""
 
-    __slots__ = ("_backlog", "_buf", "_drained", "_keep_usage", "_on_first_event", "_pending", "_send",
-                 "_stopped", "_upstream", "error", "tail", "usage")  # fmt: skip
+    __slots__ = ("_backlog", "_buf", "_client_left", "_drained", "_keep_usage", "_on_first_event", "_pending",
+                 "_send", "_stopped", "_upstream", "ended_stream", "error", "tail", "usage")  # fmt: skip
 
     def __init__(
         self, upstream: UpstreamResponse, send: Send, keep_usage: bool, on_first_event: Callable[[], None]
@@ -52,6 +53,10 @@ class SseRelay:
         self._backlog: list[bytes] = []  # events that came meanwhile
         self._drained: asyncio.Future[None] | None = None  # run() waits on it for the pending send to finish
         self._stopped = False
+        self._client_left: asyncio.Future[None] | None = None
+        # The stream's closing ``data: [DONE]`` went to ``send`` while the client was still there: it has
+        # everything (a client that hangs up right after reading it, before the chunked body's end, is done).
+        self.ended_stream = False
         self.usage: dict[str, Any] | None = None
         self.error: BaseException | None = None  # the replica's read error, or the client's send error
         self.tail = b""
@@ -59,7 +64,7 @@ class SseRelay:
     async def run(self, receive: Receive) -> Outcome:
         """Relay until the replica's body ended (every event handed to ``send``) or the client left."""
         upstream_done = self._upstream.stream(self._feed)
-        client_left = asyncio.ensure_future(_disconnected(receive))
+        client_left = self._client_left = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait((upstream_done, client_left), return_when=asyncio.FIRST_COMPLETED)
             if not client_left.done() and self._pending is not None:
@@ -103,6 +108,8 @@ class SseRelay:
         if self._on_first_event is not None:
             self._on_first_event()
             self._on_first_event = None
+        if _DONE_MARK in events and not (self._client_left is not None and self._client_left.done()):
+            self.ended_stream = True
         if self._pending is not None:
             self._backlog.append(events)
         else:

@@ -492,7 +492,7 @@ def test_overhead_gateway_timings_from_its_log(tmp_path: Path) -> None:
         "gwo-gateway-0-1-0": (pytest.approx(0.00162), pytest.approx(0.0517))
     }
     samples = [overhead.Sample("gateway", 0, c, 0, True, 0.06, 3.3, None) for c in (1, 2)]
-    assert overhead.attach_gateway_timings(samples, log) == 1
+    assert overhead.attach_gateway_timings(samples, log, wait_s=0.0) == 1
     assert samples[0].gateway_overhead == pytest.approx(0.00162) and samples[1].gateway_overhead is None
 
 

@@ -27,7 +27,8 @@ def _chunked(piece: bytes) -> bytes:
 
 class SseServer:
     """Answers each request with a chunked SSE body cut into ``pieces`` (one write each, ``gap_s`` apart);
-    ``stall_after``: stop sending (connection open) after that many pieces. Records how connections end."""
+    ``stall_after``: stop sending (connection open) after that many pieces, before the chunked body's end.
+    Records how connections end."""
 
     def __init__(self, pieces: list[bytes], gap_s: float = 0.0, stall_after: int | None = None) -> None:
         self.pieces, self.gap_s, self.stall_after = pieces, gap_s, stall_after
@@ -60,8 +61,11 @@ class SseServer:
                 if self.gap_s:
                     await asyncio.sleep(self.gap_s)
             else:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
+                if self.stall_after == len(self.pieces):  # every event, but not the body's end
+                    await reader.read()
+                else:
+                    writer.write(b"0\r\n\r\n")
+                    await writer.drain()
             if await reader.read() == b"":
                 self.eof_seen.set()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -155,6 +159,30 @@ def test_a_client_that_leaves_drops_the_replica_connection():
         assert b"".join(client.bodies) == b"".join(EVENTS[:2])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("leave_after", [len(EVENTS) - 1, len(EVENTS)])
+def test_a_client_that_leaves_after_done_got_the_whole_stream(leave_after):
+    """Clients often hang up as soon as they read ``[DONE]`` (before the chunked body's end): that stream
+    ended (``ended_stream``: the proxy logs it 200); one that leaves before ``[DONE]`` did not."""
+
+    async def scenario() -> bool:
+        server = SseServer(EVENTS, stall_after=leave_after)
+        async with server as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=30, max_connections=4)
+            client = Client()
+            resp = await up.post(url, b"{}", {})
+            relay = SseRelay(resp, client.send, True, lambda: None)
+            run = asyncio.ensure_future(relay.run(client.receive))
+            await asyncio.sleep(0.1)
+            client.leave.set()
+            assert await run == "client_gone"
+            resp.close()
+            await up.aclose()
+        assert b"".join(client.bodies) == b"".join(EVENTS[:leave_after])
+        return relay.ended_stream
+
+    assert asyncio.run(scenario()) is (leave_after == len(EVENTS))
 
 
 def test_a_replica_that_stalls_mid_stream_is_given_up_after_the_read_timeout():
