@@ -38,8 +38,8 @@ class SseRelay:
     afterwards ``usage`` is the stream's usage object (if the replica sent one) and ``tail`` any bytes
     after the last complete event."""
 
-    __slots__ = ("_backlog", "_buf", "_client_left", "_drained", "_keep_usage", "_on_first_event", "_pending",
-                 "_send", "_stopped", "_upstream", "ended_stream", "error", "tail", "usage")  # fmt: skip
+    __slots__ = ("_backlog", "_buf", "_client_left", "_done_queued", "_drained", "_keep_usage", "_on_first_event",
+                 "_pending", "_send", "_stopped", "_upstream", "ended_stream", "error", "tail", "usage")  # fmt: skip
 
     def __init__(
         self, upstream: UpstreamResponse, send: Send, keep_usage: bool, on_first_event: Callable[[], None]
@@ -54,8 +54,10 @@ class SseRelay:
         self._drained: asyncio.Future[None] | None = None  # run() waits on it for the pending send to finish
         self._stopped = False
         self._client_left: asyncio.Future[None] | None = None
-        # The stream's closing ``data: [DONE]`` went to ``send`` while the client was still there: it has
-        # everything (a client that hangs up right after reading it, before the chunked body's end, is done).
+        # The stream's closing ``data: [DONE]`` was sent (``send`` returned; not merely queued behind a slow
+        # client) before the client was seen to leave: it has everything. A client that hangs up right after
+        # reading it, before the chunked body's end, is done.
+        self._done_queued = False
         self.ended_stream = False
         self.usage: dict[str, Any] | None = None
         self.error: BaseException | None = None  # the replica's read error, or the client's send error
@@ -108,8 +110,8 @@ class SseRelay:
         if self._on_first_event is not None:
             self._on_first_event()
             self._on_first_event = None
-        if _DONE_MARK in events and not (self._client_left is not None and self._client_left.done()):
-            self.ended_stream = True
+        if _DONE_MARK in events:
+            self._done_queued = True
         if self._pending is not None:
             self._backlog.append(events)
         else:
@@ -161,6 +163,8 @@ class SseRelay:
             self._backlog.clear()
             self._step(self._send({"type": "http.response.body", "body": body, "more_body": True}))
             return
+        if self._done_queued and not (self._client_left is not None and self._client_left.done()):
+            self.ended_stream = True  # [DONE] is the last event: with the backlog empty, it went out
         self._upstream.resume_reading()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
