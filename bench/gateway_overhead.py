@@ -36,8 +36,8 @@ request has the longest wait for the next step anyway), so the outside figure is
 counts delays that wait absorbs. The added-latency verdict reads the outside figures; the end-to-end one is
 printed too. ``--a-a`` sends the second side straight to the replica as well: how far two identical sides
 differ on each measure (the noise floor). A sequential reference (concurrency 1, alternating per request:
-the gateway's own cost without queueing; ``closed`` only); the gateway's ``kvfleet_gateway_routing_overhead_seconds``
-(arrival -> upstream request sent); CPU seconds per request of the gateway, the engine and the client
+the gateway's own cost without queueing; ``closed`` only); the gateway's request path per request (arrival ->
+upstream request sent, from its per-request log line, which the bench runs at INFO); CPU seconds per request of the gateway, the engine and the client
 (``/proc``); Redis round trips per gateway request from ``kvfleet_gateway_redis_round_trips_total``
 (``path="request"`` and ``path="background"``, deltas over the gateway rounds) and Redis's own
 ``total_commands_processed`` / ``INFO commandstats`` deltas per request, over the gateway rounds and,
@@ -313,7 +313,6 @@ class Snapshot:
     request_trips: float
     background_trips: float
     trips_by_op: dict[str, float]
-    overhead_buckets: dict[float, float]
     redis: dict[str, Any]
     cpu_gateway: float
     cpu_engine: float
@@ -324,15 +323,10 @@ class Snapshot:
         assert fl.redis is not None and fl.gateway is not None
         s = fleet_mod.scrape(fl.gateway_url)
         trips = fleet_mod.metric_by(s, "kvfleet_gateway_redis_round_trips_total", "op")
-        buckets = {
-            float(x.labels["le"]): x.value
-            for x in s
-            if x.name == "kvfleet_gateway_routing_overhead_seconds_bucket" and x.labels.get("model") == MODEL
-        }
         return cls(
             request_trips=fleet_mod.metric_sum(s, "kvfleet_gateway_redis_round_trips_total", path="request"),
             background_trips=fleet_mod.metric_sum(s, "kvfleet_gateway_redis_round_trips_total", path="background"),
-            trips_by_op=trips, overhead_buckets=buckets, redis=fl.redis.command_stats(),
+            trips_by_op=trips, redis=fl.redis.command_stats(),
             cpu_gateway=fleet_mod.cpu_seconds([fl.gateway.pid]), cpu_engine=fleet_mod.cpu_seconds([fl.engines[0].pid]),
             cpu_client=time.process_time(),
         )  # fmt: skip
@@ -347,7 +341,6 @@ def delta(a: Snapshot, b: Snapshot) -> dict[str, Any]:
             for k, v in b.trips_by_op.items()
             if v - a.trips_by_op.get(k, 0.0)
         },
-        "overhead_buckets": {k: v - a.overhead_buckets.get(k, 0.0) for k, v in b.overhead_buckets.items()},
         "redis": fleet_mod.command_stats_delta(a.redis, b.redis),
         "cpu_gateway": b.cpu_gateway - a.cpu_gateway,
         "cpu_engine": b.cpu_engine - a.cpu_engine,
@@ -571,28 +564,6 @@ def _await_lines(
         time.sleep(0.2)
 
 
-def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of a cumulative Prometheus histogram, interpolated linearly inside a bucket."""
-    items = sorted(buckets.items())
-    if not items or items[-1][1] <= 0:
-        return None
-    rank = q * items[-1][1]
-    prev_le, prev_n = 0.0, 0.0
-    for le, n in items:
-        if n >= rank:
-            if le == float("inf"):
-                return prev_le
-            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 0.0)
-        prev_le, prev_n = le, n
-    return prev_le
-
-
-def overhead_quantiles(counters: dict[str, Any]) -> dict[str, float | None]:
-    """p50/p90/p99 of the gateway's ``kvfleet_gateway_routing_overhead_seconds`` over a window, in ms."""
-    buckets = counters.get("overhead_buckets", {})
-    return {f"p{q}": _ms(histogram_quantile(buckets, q / 100)) for q in (50, 90, 99)}
-
-
 def per_request(counters: dict[str, Any], n: int) -> dict[str, Any]:
     if not n:
         return {}
@@ -750,15 +721,14 @@ def render(result: dict[str, Any]) -> None:
     sections = [(f"{w['concurrency']} streams, {w['load']}", result["stats"])]
     if result["reference"]["direct"]["requests"]:
         sections.append(("sequential reference", result["reference"]))
-    cols = ("ttft_ms", "e2e_ms", "ttft_outside_ms", "e2e_outside_ms")
     for label, stats in sections:
         for side in ("direct", "gateway"):
             s = stats[side]
             rows.append([label, side, f"{s['ok']}/{s['requests']}",
-                         *(_f(s[m][q]) for m in cols for q in ("p50", "p99"))])  # fmt: skip
+                         *(_f(s[m][q]) for m in MEASURES for q in ("p50", "p99"))])  # fmt: skip
         a = stats["added_ms"]
         rows.append(
-            [label, "added (gateway - direct)", "", *(_f(a[m][q]) for m in cols for q in ("p50", "p99"))]
+            [label, "added (gateway - direct)", "", *(_f(a[m][q]) for m in MEASURES for q in ("p50", "p99"))]
         )
     notes = []
     pr, direct = result["per_gateway_request"], result["per_direct_request"]
@@ -779,13 +749,13 @@ def render(result: dict[str, Any]) -> None:
         notes.append(f"paced load: {w['arrival_rate_per_s']:.1f} requests/s (Poisson), streams in flight per round: "
                      + ", ".join(f"mean {f['mean']:.0f} / peak {f['peak']}" for f in flight)
                      + f"; {w['replica']}")  # fmt: skip
-    ro, rr = result.get("gateway_request_path_ms") or {}, result["reference_routing_overhead_ms"]
-    if ro.get("n"):
+    ro, rr = result["gateway_request_path_ms"], result["reference_request_path_ms"]
+    if ro["n"]:
         added = result["stats"]["added_ms"]["ttft_outside_ms"]["p50"]
         notes.append(f"gateway's request path (arrival -> upstream request sent, its per-request log): "
                      f"p50 {_f(ro['p50'])} ms, p99 {_f(ro['p99'])} ms in the rounds, of an added TTFT p50 of "
                      f"{_f(added)} ms outside the replica (the rest: the extra hops and the relay)"
-                     + (f"; p50 {_f(rr['p50'])} ms sequential (histogram)" if rr["p50"] is not None else ""))  # fmt: skip
+                     + (f"; p50 {_f(rr['p50'])} ms sequential" if rr["n"] else ""))  # fmt: skip
     ref_cpu = result["reference_per_gateway_request"].get("cpu_ms")
     if ref_cpu:
         notes.append(f"sequential: gateway CPU {ref_cpu['gateway']:.2f} ms per request")
@@ -819,6 +789,11 @@ def render(result: dict[str, Any]) -> None:
         ["ms; outside: the client's figure minus the replica's own for the same request (its log), the time"
          " outside the replica's handler and scheduler", *notes],
     )  # fmt: skip
+
+
+def request_path(samples: Sequence[Sample]) -> dict[str, Any]:
+    """The gateway's request path (arrival -> upstream request sent, its per-request log) over ``samples``."""
+    return dist([s.gateway_overhead for s in samples if s.gateway_overhead is not None])
 
 
 def request_table(samples: Sequence[Sample]) -> dict[str, Any]:
@@ -957,11 +932,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n_direct = sum(1 for s in m["samples"] if s.side == "direct")
         result["per_gateway_request"] = per_request(m["counters"]["gateway"], n_gw)
         result["per_direct_request"] = per_request(m["counters"]["direct"], n_direct)
-        result["gateway_routing_overhead_ms"] = overhead_quantiles(m["counters"]["gateway"])
-        result["reference_routing_overhead_ms"] = overhead_quantiles(m["reference_counters"])
-        result["gateway_request_path_ms"] = dist(
-            [s.gateway_overhead for s in m["samples"] if s.gateway_overhead is not None]
-        )
+        result["gateway_request_path_ms"] = request_path(m["samples"])
+        result["reference_request_path_ms"] = request_path(m["reference"])
         result["reference_per_gateway_request"] = per_request(
             m["reference_counters"], args.reference_requests
         )

@@ -8,7 +8,6 @@ import asyncio
 import gc
 import importlib.util
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -137,6 +136,7 @@ def test_gateway_overhead_quick_writes_stats(
     assert data["engine_timings_missing"] == 0
     if not a_a:  # the gateway logged every request with its own request path, a part of what the client saw
         assert data["gateway_timings_missing"] == 0 and data["gateway_request_path_ms"]["n"] == n
+        assert data["reference_request_path_ms"]["n"] == data["config"]["reference_requests"]
         gateway_rows = [dict(zip(data["requests"]["fields"], row)) for row in data["requests"]["rows"]]
         assert all(0 < r["gateway_overhead_ms"] < r["gateway_ttft_ms"] < r["ttft_ms"]
                    for r in gateway_rows if r["side"] == "gateway")  # fmt: skip
@@ -509,15 +509,6 @@ def test_overhead_verdict_reads_the_measure_asked_for() -> None:
     pairs[0]["ttft_outside_ms"]["p99"] = 12.0  # pooled under the limits, one pair over: the run shows nothing
     v = overhead.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
     assert v["met"] is False and v["inconclusive"] is True
-
-
-def test_histogram_quantile() -> None:
-    buckets = {0.001: 10.0, 0.002: 30.0, 0.005: 40.0, math.inf: 40.0}
-    assert overhead.histogram_quantile(buckets, 0.25) == pytest.approx(0.001)
-    assert overhead.histogram_quantile(buckets, 0.5) == pytest.approx(0.0015)
-    assert overhead.histogram_quantile(buckets, 1.0) == pytest.approx(0.005)
-    assert overhead.histogram_quantile({}, 0.5) is None
-    assert overhead.histogram_quantile({0.001: 0.0, math.inf: 0.0}, 0.5) is None
 
 
 def test_profile_summary() -> None:
