@@ -285,12 +285,14 @@ class Proxy:
             r.model, r.decision.policy, str(chosen.matched_tokens > 0).lower()
         ).inc()
         self.metrics.predicted_cached.labels(r.model).inc(chosen.matched_tokens)
-        span.set_attributes({
-            "kvfleet.policy": r.decision.policy, "kvfleet.replica": chosen.replica_id,
-            "kvfleet.prompt_tokens": r.prompt_tokens or 0, "kvfleet.predicted_cached_tokens": chosen.matched_tokens,
-            "kvfleet.candidates": json.dumps(r.decision.explain(), separators=(",", ":")),
-            "kvfleet.fallbacks": ",".join(r.fallbacks),
-        })  # fmt: skip
+        if span.is_recording():  # not sampled: no decision explained into a JSON nobody keeps
+            span.set_attributes({
+                "kvfleet.policy": r.decision.policy, "kvfleet.replica": chosen.replica_id,
+                "kvfleet.prompt_tokens": r.prompt_tokens or 0,
+                "kvfleet.predicted_cached_tokens": chosen.matched_tokens,
+                "kvfleet.candidates": json.dumps(r.decision.explain(), separators=(",", ":")),
+                "kvfleet.fallbacks": ",".join(r.fallbacks),
+            })  # fmt: skip
         payload = upstream_payload(body, r.tenant)
         ticket = self.load.start(
             chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)

@@ -176,6 +176,11 @@ class _Connection(asyncio.Protocol):
         self.last_io = 0.0  # loop time of the last byte in (or the request out): the read watchdog's clock
         self.idle_since = 0.0
         self.reading_paused = False
+        # The body parts the parser found in the bytes being fed: handed on as one, after the parse. A
+        # read often holds several chunked-encoding chunks (one SSE event each: the first token behind
+        # the role event, the last ones with the usage and [DONE]), and each part handed on separately
+        # became its own write to the client, its own syscall and TCP segment.
+        self.body_parts: list[bytes] = []
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -191,7 +196,10 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
+            self.body_parts.clear()
             self.fail(UpstreamReadError(f"malformed response from the replica: {e}"))
+            return
+        self._hand_on_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -216,13 +224,19 @@ class _Connection(asyncio.Protocol):
             self.exchange._got_head(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange._got_body(body)
+        self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
+        self._hand_on_body()
         self.keep_alive = self.parser.should_keep_alive()
         if self.exchange is not None:
             self.exchange._got_end(None)
+
+    def _hand_on_body(self) -> None:
+        if self.body_parts:
+            parts, self.body_parts = self.body_parts, []
+            if self.exchange is not None:
+                self.exchange._got_body(parts[0] if len(parts) == 1 else b"".join(parts))
 
     # -- the pool's side --
     def send(self, request: bytes) -> UpstreamResponse:

@@ -26,12 +26,15 @@ def _chunked(piece: bytes) -> bytes:
 
 
 class SseServer:
-    """Answers each request with a chunked SSE body cut into ``pieces`` (one write each, ``gap_s`` apart);
+    """Answers each request with a chunked SSE body cut into ``pieces`` (one chunk and one write each,
+    ``gap_s`` apart; ``one_write``: every chunk and the body's end in a single write);
     ``stall_after``: stop sending (connection open) after that many pieces, before the chunked body's end.
     Records how connections end."""
 
-    def __init__(self, pieces: list[bytes], gap_s: float = 0.0, stall_after: int | None = None) -> None:
-        self.pieces, self.gap_s, self.stall_after = pieces, gap_s, stall_after
+    def __init__(
+        self, pieces: list[bytes], gap_s: float = 0.0, stall_after: int | None = None, one_write: bool = False
+    ) -> None:
+        self.pieces, self.gap_s, self.stall_after, self.one_write = pieces, gap_s, stall_after, one_write
         self.eof_seen = asyncio.Event()  # a connection was closed by the client
         self.server: asyncio.Server | None = None
 
@@ -52,26 +55,33 @@ class SseServer:
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
             )
-            for i, piece in enumerate(self.pieces):
-                if self.stall_after is not None and i == self.stall_after:
-                    await reader.read()  # until the client gives up
-                    break
-                writer.write(_chunked(piece))
+            if self.one_write:
+                writer.write(b"".join(map(_chunked, self.pieces)) + b"0\r\n\r\n")
                 await writer.drain()
-                if self.gap_s:
-                    await asyncio.sleep(self.gap_s)
             else:
-                if self.stall_after == len(self.pieces):  # every event, but not the body's end
-                    await reader.read()
-                else:
-                    writer.write(b"0\r\n\r\n")
-                    await writer.drain()
+                await self._send_pieces(reader, writer)
             if await reader.read() == b"":
                 self.eof_seen.set()
         except (ConnectionError, asyncio.IncompleteReadError):
             self.eof_seen.set()
         finally:
             writer.close()
+
+    async def _send_pieces(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for i, piece in enumerate(self.pieces):
+            if self.stall_after is not None and i == self.stall_after:
+                await reader.read()  # until the client gives up
+                break
+            writer.write(_chunked(piece))
+            await writer.drain()
+            if self.gap_s:
+                await asyncio.sleep(self.gap_s)
+        else:
+            if self.stall_after == len(self.pieces):  # every event, but not the body's end
+                await reader.read()
+            else:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
 
 
 class Client:
@@ -117,6 +127,26 @@ def test_events_cut_anywhere_arrive_whole_in_order_and_the_usage_event_is_read(p
         assert all(b.endswith(b"\n\n") for b in client.bodies)  # never half an event
         assert relay.usage == USAGE and relay.tail == b""
         assert firsts == [0]  # once, before the first event went out
+
+    asyncio.run(scenario())
+
+
+def test_events_that_arrive_together_go_to_the_client_in_one_write():
+    """The engine writes one chunk per event; a read holding several (the role event and the first token,
+    the last token with the usage and [DONE]) becomes one body for the client: one syscall, one segment."""
+
+    async def scenario() -> None:
+        async with SseServer(EVENTS, one_write=True) as url:
+            up = Upstream(connect_timeout_s=2, read_timeout_s=5, max_connections=4)
+            client = Client()
+            resp = await up.post(url, b"{}", {})
+            relay = SseRelay(resp, client.send, False, lambda: None)
+            assert await relay.run(client.receive) == "complete"
+            resp.close()
+            assert up.connections() == (0, 1)
+            await up.aclose()
+        assert client.bodies == [b"".join(e for e in EVENTS if b'"usage":{' not in e)]
+        assert relay.usage == USAGE
 
     asyncio.run(scenario())
 
