@@ -6,6 +6,8 @@ core process, incremental detokenization, SSE) is checked for exactness, not jus
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
 import httpx
@@ -178,6 +180,34 @@ def test_cached_tokens_on_repeated_prefix(client, server):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
     assert server.metric("kvfleet_engine_prefix_cache_hits_tokens") >= cached
+
+
+def test_requests_sharing_an_x_request_id_both_complete(server, offline):
+    """Two live requests with the same X-Request-Id (two tenants behind a gateway, a client reusing ids):
+    neither fails nor disturbs the other, and each answers under the id its client sent."""
+
+    async def stream(http: httpx.AsyncClient, prompt: str) -> tuple[str, str, set[str]]:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+        async with http.stream(
+            "POST", "/v1/completions", json=body, headers={"x-request-id": "shared-7"}
+        ) as r:
+            assert r.status_code == 200
+            text, ids = [], set()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: ") :])
+                    assert "error" not in chunk, chunk
+                    ids.add(chunk["id"])
+                    text += [c["text"] for c in chunk["choices"]]
+            return r.headers["x-request-id"], "".join(text), ids
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(stream(http, PROMPTS[0]), stream(http, PROMPTS[2]))
+
+    for (header, text, ids), prompt in zip(asyncio.run(both()), (PROMPTS[0], PROMPTS[2])):
+        assert header == "shared-7" and ids == {"shared-7"}
+        assert text == greedy(offline, prompt, 24).text
 
 
 def test_tokenize_detokenize_roundtrip(server, offline):

@@ -63,10 +63,17 @@ class PreparedPrompt:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """Timing and token counts of one HTTP request: metrics, span attributes and the log line."""
+    """Timing and token counts of one HTTP request: metrics, span attributes and the log line.
+
+    ``request_id`` is the id the client sees (the response's ``id``, ``X-Request-Id``, the log line, the
+    span): the client's own ``X-Request-Id`` when it sent one. ``engine_id`` names the request inside the
+    engine, where ids must be unique: a client's id gets a random suffix there, since two live requests may
+    carry the same one (two tenants behind a gateway, a client reusing its ids) and neither may fail or
+    abort the other."""
 
     request_id: str
     endpoint: str
+    engine_id: str
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
@@ -159,7 +166,7 @@ class OpenAIServing:
                 prompts.append(PreparedPrompt(None, list(p)))
         for p in prompts:
             self._validate_prompt(p, params)
-        rec = RequestRecord(raw.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}", "completions")
+        rec = _record(raw, "completions", "cmpl")
         rec.prompt_tokens = sum(len(p.token_ids) for p in prompts)
         if req.stream:
             return self._stream(rec, raw, prompts, params, req, self._completion_chunks)
@@ -176,7 +183,7 @@ class OpenAIServing:
         )
         prompt = PreparedPrompt(text, self.tokenize_text(text, add_special_tokens=False))
         self._validate_prompt(prompt, params)
-        rec = RequestRecord(raw.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}", "chat")
+        rec = _record(raw, "chat", "chatcmpl")
         rec.prompt_tokens = len(prompt.token_ids)
         if req.stream:
             return self._stream(rec, raw, [prompt], params, req, self._chat_chunks)
@@ -191,7 +198,7 @@ class OpenAIServing:
         gens = [
             self.engine.generate(
                 p.token_ids, params, prompt=p.text,
-                request_id=rec.request_id if len(prompts) == 1 else f"{rec.request_id}-p{i}",
+                request_id=rec.engine_id if len(prompts) == 1 else f"{rec.engine_id}-p{i}",
                 priority=req.priority, cache_salt=req.cache_salt,
             )
             for i, p in enumerate(prompts)
@@ -497,6 +504,14 @@ class OpenAIServing:
                 yield ChatCompletionChunk(
                     id=rec.request_id, created=created, model=self.model_name, choices=[choice]
                 ).model_dump(exclude_none=False)
+
+
+def _record(raw: Request, endpoint: str, id_prefix: str) -> RequestRecord:
+    client_id = raw.headers.get("x-request-id")
+    if not client_id:
+        own = f"{id_prefix}-{uuid.uuid4().hex}"
+        return RequestRecord(own, endpoint, own)
+    return RequestRecord(client_id, endpoint, f"{client_id}~{uuid.uuid4().hex[:12]}")
 
 
 def _finite(x: float) -> float:
