@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -144,6 +146,46 @@ def test_chat(client, server, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def _http_chunks(url: str, path: str, body: dict) -> list[bytes]:
+    """The chunked-encoding chunks of a response, as the server wrote them (one per part it sent)."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (path.encode(), len(payload), payload)
+        )
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    chunks = []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return chunks
+        chunks.append(rest[:size])
+        rest = rest[size + 2 :]
+
+
+def test_a_stream_sends_one_part_per_engine_step(server):
+    """The role event goes out with the first token, and the last token with the usage and [DONE]: one
+    write each (a proxy relays every part as a write of its own, and a client wakes once per part)."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Tell me about bread."}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = _http_chunks(server.url, "/v1/chat/completions", body)
+    events = [[json.loads(e[len(b"data: ") :]) if e != b"data: [DONE]" else "[DONE]"
+               for e in chunk.split(b"\n\n") if e] for chunk in chunks]  # fmt: skip
+    assert events[0][0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[0][1]["choices"][0]["delta"]["content"]  # the first token, in the same part
+    assert events[-1][-1] == "[DONE]" and events[-1][-2]["usage"]["completion_tokens"] == 6
+    assert events[-1][-3]["choices"][0]["finish_reason"] == "length"  # the last token, in the same part
+    assert len(chunks) <= 6  # a part per step at most (a step whose text is still incomplete sends none)
 
 
 def test_chat_logprobs_n_and_stop(client, server):
