@@ -367,7 +367,8 @@ class OpenAIServing:
                     self._observe(rec, span, i, out, cached)
                     reasons += [c.finish_reason for c in out.outputs if c.finish_reason is not None]
                     events = b"".join(map(_sse, chunker(rec, created, prompts, req, params.n, i, out, state)))
-                    unfinished -= out.finished
+                    if out.finished:
+                        unfinished -= 1
                     if unfinished > 0:
                         if events:
                             yield events
