@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 KEEP_ALIVE_S = 75.0  # above the gateway's 60 s upstream pool and the 60 s of most load balancers
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers; Envoy's default is 60 KiB, nginx's 32 KB
 
 
 def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> None:
@@ -17,6 +18,11 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
              f"timeout of {closes_first}, so that side closes idle connections and no request races a close",
     )  # fmt: skip
     parser.add_argument(
+        "--max-request-head-bytes", type=int, default=MAX_HEAD_BYTES,
+        help=f"largest request line + headers (default {MAX_HEAD_BYTES}); past it the client gets a 431 and the "
+             "connection is closed",
+    )  # fmt: skip
+    parser.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="asyncio",
         help="event loop: asyncio (default) accepts every pending connection when the socket wakes it; uvloop "
              "(libuv) accepts one per loop iteration, so under load a burst of ~100 new connections waited up "
@@ -25,4 +31,11 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
 
 
 def uvicorn_connection_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"timeout_keep_alive": max(1, round(args.keep_alive_timeout)), "loop": args.loop}
+    from kvfleet_common.http_protocol import bounded_head_protocol  # imports uvicorn: servers only
+
+    if args.max_request_head_bytes < 1024:
+        raise SystemExit("--max-request-head-bytes must be at least 1024")
+    return {
+        "timeout_keep_alive": max(1, round(args.keep_alive_timeout)), "loop": args.loop,
+        "http": bounded_head_protocol(args.max_request_head_bytes),
+    }  # fmt: skip

@@ -468,3 +468,15 @@ def test_the_fast_path_reads_json_whatever_the_content_type(fleet, key):
                        headers={"Authorization": f"Bearer {key}"})  # fmt: skip
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_oversized_request_heads_get_a_431_and_normal_ones_still_pass(fleet, key):
+    """The gateway bounds a request's headers (``--max-request-head-bytes``, 64 KiB) as it bounds its body."""
+    headers = {"Authorization": f"Bearer {key}", "x-request-id": "r" * (80 * 1024)}
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", json=_CHAT, headers=headers, timeout=60)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+    headers["x-request-id"] = "r" * (8 * 1024)  # long, within the bound: served, and echoed
+    r = httpx.post(
+        f"{fleet.gateway.url}/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=headers
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == headers["x-request-id"]

@@ -1,0 +1,113 @@
+"""The servers' HTTP protocol refuses a request head past its bound (431), and nothing else: a real uvicorn on a
+real socket, with the protocol class the gateway and the engine server run."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+
+from kvfleet_common.http_protocol import bounded_head_protocol  # noqa: E402
+
+LIMIT = 16 * 1024
+
+
+async def _echo_sizes(scope, receive, send) -> None:
+    """Answers with the sizes of the head and the body it got."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    head = sum(len(k) + len(v) for k, v in scope["headers"])
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": json.dumps({"head": head, "body": len(body)}).encode()})
+
+
+@pytest.fixture(scope="module")
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            _echo_sizes, host="127.0.0.1", port=free, http=bounded_head_protocol(LIMIT), log_level="error"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield free
+    server.should_exit = True
+    thread.join(10)
+
+
+def _exchange(port: int, *requests: bytes) -> bytes:
+    """Send the requests on one connection (closing it after the last) and read everything until EOF."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for request in requests:
+            try:
+                sock.sendall(request)
+            except (BrokenPipeError, ConnectionResetError):  # refused mid-send: the answer is still there
+                break
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        return data
+
+
+def _request(header_value: bytes = b"x", body: bytes = b"", close: bool = True) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-request-id: %s\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (header_value, len(body), b"connection: close\r\n" if close else b"", body)
+    )
+
+
+def _status(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def test_a_head_past_the_bound_gets_a_431_and_the_connection_closes(port):
+    response = _exchange(port, _request(b"a" * (LIMIT + 1), close=False), _request())
+    assert _status(response) == 431
+    error = json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_header_fields_too_large" and str(LIMIT) in error["message"]
+    assert response.count(b"HTTP/1.1") == 1  # nothing after it was served on that connection
+
+
+def test_a_huge_head_is_refused_without_reading_it_whole(port):
+    """A 20 MB header: refused once the bound is passed, not after 20 MB were held."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nhost: t\r\nx-big: ")
+        sent = 0
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            while sent < 20 << 20:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        assert sent < 4 << 20  # the server closed long before
+
+
+def test_heads_within_the_bound_and_big_bodies_pass(port):
+    big_body = b"b" * (LIMIT * 8)  # arrives in the same reads as its head: never counted as head
+    response = _exchange(port, _request(b"a" * (LIMIT - 500), close=False), _request(body=big_body))
+    statuses = [int(line.split(b" ")[1]) for line in response.split(b"\r\n") if line.startswith(b"HTTP/1.1")]
+    assert statuses == [200, 200]
+    answers = [json.loads(m) for m in re.findall(rb'\{"head": \d+, "body": \d+\}', response)]
+    assert answers[0]["head"] > LIMIT - 1000 and answers[1]["body"] == len(big_body)
