@@ -8,6 +8,7 @@ from typing import Any
 
 KEEP_ALIVE_S = 75.0  # above the gateway's 60 s upstream pool and the 60 s of most load balancers
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers; Envoy's default is 60 KiB, nginx's 32 KB
+HEAD_TIMEOUT_S = 30.0  # for them to arrive; nginx's client_header_timeout is 60 s
 
 
 def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> None:
@@ -23,6 +24,11 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
              "connection is closed",
     )  # fmt: skip
     parser.add_argument(
+        "--request-head-timeout", type=float, default=HEAD_TIMEOUT_S,
+        help=f"seconds a request line + headers may take to arrive, from their first byte (a connection's first "
+             f"request: from the connection) (default {HEAD_TIMEOUT_S:g}); past it a 408 and the connection closed",
+    )  # fmt: skip
+    parser.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="asyncio",
         help="event loop: asyncio (default) accepts every pending connection when the socket wakes it; uvloop "
              "(libuv) accepts one per loop iteration, so under load a burst of ~100 new connections waited up "
@@ -35,7 +41,9 @@ def uvicorn_connection_options(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.max_request_head_bytes < 1024:
         raise SystemExit("--max-request-head-bytes must be at least 1024")
+    if not args.request_head_timeout > 0:
+        raise SystemExit("--request-head-timeout must be positive")
     return {
         "timeout_keep_alive": max(1, round(args.keep_alive_timeout)), "loop": args.loop,
-        "http": bounded_head_protocol(args.max_request_head_bytes),
+        "http": bounded_head_protocol(args.max_request_head_bytes, args.request_head_timeout),
     }  # fmt: skip

@@ -16,6 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from kvfleet_common.http_protocol import bounded_head_protocol  # noqa: E402
 
 LIMIT = 16 * 1024
+HEAD_TIMEOUT = 0.5
 
 
 async def _echo_sizes(scope, receive, send) -> None:
@@ -42,7 +43,11 @@ def port():
         free = s.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            _echo_sizes, host="127.0.0.1", port=free, http=bounded_head_protocol(LIMIT), log_level="error"
+            _echo_sizes,
+            host="127.0.0.1",
+            port=free,
+            http=bounded_head_protocol(LIMIT, HEAD_TIMEOUT),
+            log_level="error",
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -111,3 +116,39 @@ def test_heads_within_the_bound_and_big_bodies_pass(port):
     assert statuses == [200, 200]
     answers = [json.loads(m) for m in re.findall(rb'\{"head": \d+, "body": \d+\}', response)]
     assert answers[0]["head"] > LIMIT - 1000 and answers[1]["body"] == len(big_body)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.parametrize("sent_first", [b"", b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-a"])
+def test_a_head_that_does_not_arrive_in_time_gets_a_408(port, sent_first):
+    """A silent connection, or half a head and then nothing (slowloris): answered and closed, not held."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(sent_first)
+        started = time.monotonic()
+        response = _read_all(sock)
+        waited = time.monotonic() - started
+    assert _status(response) == 408, response
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert waited < 5  # the server's 0.5 s, not the client's 10 s
+
+
+def test_a_slow_head_within_the_timeout_and_a_long_keep_alive_pause_pass(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        request = _request(close=False)
+        sock.sendall(request[:20])
+        time.sleep(HEAD_TIMEOUT / 3)
+        sock.sendall(request[20:])
+        first = sock.recv(65536)
+        time.sleep(HEAD_TIMEOUT * 2)  # idle between requests: uvicorn's keep-alive timeout (5 s), not ours
+        sock.sendall(_request())
+        rest = _read_all(sock)
+    assert _status(first) == 200 and _status(rest) == 200
