@@ -61,6 +61,16 @@ def port():
     thread.join(10)
 
 
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
 def _exchange(port: int, *requests: bytes) -> bytes:
     """Send the requests on one connection (closing it after the last) and read everything until EOF."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -69,13 +79,7 @@ def _exchange(port: int, *requests: bytes) -> bytes:
                 sock.sendall(request)
             except (BrokenPipeError, ConnectionResetError):  # refused mid-send: the answer is still there
                 break
-        data = b""
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        return data
+        return _read_all(sock)
 
 
 def _request(header_value: bytes = b"x", body: bytes = b"", close: bool = True) -> bytes:
@@ -116,16 +120,6 @@ def test_heads_within_the_bound_and_big_bodies_pass(port):
     assert statuses == [200, 200]
     answers = [json.loads(m) for m in re.findall(rb'\{"head": \d+, "body": \d+\}', response)]
     assert answers[0]["head"] > LIMIT - 1000 and answers[1]["body"] == len(big_body)
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
 
 
 @pytest.mark.parametrize("sent_first", [b"", b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-a"])
