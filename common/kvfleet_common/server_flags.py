@@ -8,7 +8,7 @@ from typing import Any
 
 KEEP_ALIVE_S = 75.0  # above the gateway's 60 s upstream pool and the 60 s of most load balancers
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers; Envoy's default is 60 KiB, nginx's 32 KB
-HEAD_TIMEOUT_S = 30.0  # for them to arrive; nginx's client_header_timeout is 60 s
+READ_TIMEOUT_S = 30.0  # for a head to arrive, and the longest pause in a body (nginx: 60 s each)
 
 
 def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> None:
@@ -24,9 +24,10 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
              "connection is closed",
     )  # fmt: skip
     parser.add_argument(
-        "--request-head-timeout", type=float, default=HEAD_TIMEOUT_S,
-        help=f"seconds a request line + headers may take to arrive, from their first byte (a connection's first "
-             f"request: from the connection) (default {HEAD_TIMEOUT_S:g}); past it a 408 and the connection closed",
+        "--request-read-timeout", type=float, default=READ_TIMEOUT_S,
+        help=f"seconds a request's line and headers may take to arrive (from their first byte; for a connection's "
+             f"first request, from the connection) and the longest pause in its body (default {READ_TIMEOUT_S:g}); "
+             "past it a 408 and the connection closed",
     )  # fmt: skip
     parser.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="asyncio",
@@ -37,13 +38,13 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
 
 
 def uvicorn_connection_options(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet_common.http_protocol import bounded_head_protocol  # imports uvicorn: servers only
+    from kvfleet_common.http_protocol import bounded_read_protocol  # imports uvicorn: servers only
 
     if args.max_request_head_bytes < 1024:
         raise SystemExit("--max-request-head-bytes must be at least 1024")
-    if not args.request_head_timeout > 0:
-        raise SystemExit("--request-head-timeout must be positive")
+    if not args.request_read_timeout > 0:
+        raise SystemExit("--request-read-timeout must be positive")
     return {
         "timeout_keep_alive": max(1, round(args.keep_alive_timeout)), "loop": args.loop,
-        "http": bounded_head_protocol(args.max_request_head_bytes, args.request_head_timeout),
+        "http": bounded_read_protocol(args.max_request_head_bytes, args.request_read_timeout),
     }  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -480,3 +481,26 @@ def test_oversized_request_heads_get_a_431_and_normal_ones_still_pass(fleet, key
         f"{fleet.gateway.url}/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=headers
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == headers["x-request-id"]
+
+
+def test_a_client_whose_body_stops_arriving_gets_a_408_and_leaves_nothing_behind(fleet, key):
+    """Slowloris on the body: the gateway answers 408 after ``--request-read-timeout`` and the request's task
+    ends quietly (no traceback, no 500); the next request on a new connection is served."""
+    with run_gateway(fleet.redis.url, fleet.log_dir, "--request-read-timeout", "1") as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        body = json.dumps(_CHAT).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head + body[:10])
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        assert response.startswith(b"HTTP/1.1 408 "), response
+        r = httpx.post(
+            f"{gw.url}/v1/chat/completions", json=_CHAT, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 200
+        time.sleep(0.5)
+        log = gw.log()
+    assert "body did not arrive within 1 s" in log and "Traceback" not in log and " 500" not in log
