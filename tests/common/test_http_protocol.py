@@ -1,5 +1,6 @@
-"""The servers' HTTP protocol refuses a request head past its bound (431), and nothing else: a real uvicorn on a
-real socket, with the protocol class the gateway and the engine server run."""
+"""The servers' HTTP protocol refuses a request head past its size bound (431) and a head or body that stalls
+(408), and nothing else: a real uvicorn on a real socket, with the protocol class the gateway and the engine
+server run."""
 
 from __future__ import annotations
 
