@@ -8,7 +8,7 @@ from fastapi import Request
 
 from kvfleet_common.http import ApiError, bearer_token
 from kvfleet_common.schemas import TenantRecord
-from kvfleet_gateway.fleet import RedisUnavailable
+from kvfleet_gateway.fleet import RedisUnavailable, registry_unavailable
 
 
 async def require_tenant(request: Request) -> TenantRecord:
@@ -22,9 +22,7 @@ async def require_tenant(request: Request) -> TenantRecord:
     try:
         tenant = await request.app.state.tenants.lookup(hashlib.sha256(token.encode()).hexdigest())
     except RedisUnavailable as e:
-        raise ApiError(
-            503, f"{e}; retry shortly", code="registry_unavailable", headers={"Retry-After": "2"}
-        ) from None
+        raise registry_unavailable(e) from None
     if tenant is None:
         request.app.state.metrics.rejected.labels("auth").inc()
         raise ApiError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -43,6 +43,7 @@ from kvfleet_common.http import (
 )
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet_gateway.auth import require_tenant
+from kvfleet_gateway.fleet import registry_unavailable
 from kvfleet_gateway.proxy import RECEIVED_AT
 
 logger = logging.getLogger("kvfleet_gateway")
@@ -129,8 +130,7 @@ async def _answer(endpoint: str, model: type[pydantic.BaseModel], raw: bytes, re
 
 def redis_down_response(exc: Exception) -> Response:
     logger.warning("redis unavailable: %s", exc)
-    return ApiError(503, "the registry (Redis) is unavailable; retry shortly", code="registry_unavailable",
-                    headers={"Retry-After": "2"}).response()  # fmt: skip
+    return registry_unavailable("the registry (Redis) is unavailable").response()
 
 
 def _rejected(request: Request, response: Response) -> Response:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import redis.exceptions
 
+from kvfleet_common.http import ApiError
 from kvfleet_common.registry import AsyncRegistry
 from kvfleet_common.schemas import Heartbeat, ModelConfig, TenantRecord
 from kvfleet_gateway.metrics import GatewayMetrics
@@ -30,6 +31,13 @@ REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 
 class RedisUnavailable(Exception):
     """Redis cannot be reached and the gateway's last snapshot is too old to serve from."""
+
+
+def registry_unavailable(reason: object) -> ApiError:
+    """The 503 a client gets while the registry (Redis) cannot answer for its request."""
+    return ApiError(
+        503, f"{reason}; retry shortly", code="registry_unavailable", headers={"Retry-After": "2"}
+    )
 
 
 class RedisCalls:

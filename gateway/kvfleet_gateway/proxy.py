@@ -37,7 +37,7 @@ from kvfleet_common.registry import Admission, AdmitResult, UsageRecord, rate_re
 from kvfleet_common.schemas import Heartbeat, TenantRecord
 from kvfleet_common.tracing import inject_headers, start_request_span
 from kvfleet_gateway.config import GatewayConfig
-from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable
+from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable, registry_unavailable
 from kvfleet_gateway.load import LoadTracker, Ticket
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.recent_routes import RecentRoutes
@@ -179,8 +179,7 @@ class Proxy:
         try:
             self.fleet.check_fresh()
         except RedisUnavailable as e:
-            raise ApiError(503, f"{e}; retry shortly", code="registry_unavailable",
-                           headers={"Retry-After": "2"}) from None  # fmt: skip
+            raise registry_unavailable(e) from None
         view = self.fleet.model(r.model)
         if view is None:
             self.metrics.rejected.labels("unknown_model").inc()
