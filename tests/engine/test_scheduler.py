@@ -540,6 +540,21 @@ def test_stopped_requests_are_reported_to_the_worker_next_step():
     assert "a" not in model.reqs
 
 
+def test_a_step_lists_first_tokens_then_finishing_requests_then_the_rest():
+    """The order a step's outputs are written to their streams: a new request's first token must not wait
+    behind every running stream's token (in batch order it came last)."""
+    sched = make_sched()
+    model = FakeModel(sched)
+    sched.add_request(make_req("old", prompt_of(5), max_tokens=10))
+    sched.add_request(make_req("ending", prompt_of(5, 300), max_tokens=3))
+    for _ in range(2):
+        model.step()
+    sched.add_request(make_req("new", prompt_of(5, 500), max_tokens=10))
+    so, outs = model.step()
+    assert list(so.num_scheduled_tokens) == ["old", "ending", "new"]  # the batch order
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("new", None), ("ending", "length"), ("old", None)]
+
+
 def test_stats():
     sched = make_sched(num_blocks=9)
     model = FakeModel(sched)

@@ -278,7 +278,19 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        The outputs come in the order their streams should be written: first tokens, then the outputs
+        that finish a request, then the rest (each group in batch order). A step's outputs reach the
+        clients one write at a time, from the API server and again from every proxy on the way, and at
+        100 streams that burst takes milliseconds to get through each of them. In batch order a new
+        request's first token came last (new requests join the batch at its end), so it waited for the
+        whole burst, in every process, on its time to first token (and the oldest requests, the ones that
+        finish, came first only by luck). A mid-stream token's place in the burst hardly matters: a stream
+        keeps about the same place step after step, so its tokens stay a step apart.
+        """
+        firsts: list[EngineCoreOutput] = []
+        finished: list[EngineCoreOutput] = []
         outputs: list[EngineCoreOutput] = []
         for idx, (rid, tokens) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             req = self.requests.get(rid)
@@ -294,6 +306,7 @@ class Scheduler:
                         runner_out.sampled_ranks[idx],
                     )
                 ]
+            first = req.num_output_tokens == 0
             for tok in tokens:
                 req.append_output_token(tok)
                 if self._check_stop(req, tok):
@@ -309,9 +322,9 @@ class Scheduler:
                 out.stop_reason = req.stop_reason
                 self.running.remove(req)
                 self._free(req)
-            outputs.append(out)
+            (firsts if first else finished if out.finish_reason is not None else outputs).append(out)
         self.kv.block_pool.flush_events()
-        return outputs
+        return firsts + finished + outputs
 
     def _check_stop(self, req: Request, token: int) -> bool:
         # Length first, as vLLM does: EOS as the last allowed token still reports "length".
