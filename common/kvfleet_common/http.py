@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +114,21 @@ def bearer_matches(request: Request, secret: str) -> bool:
     """Whether the request carries ``secret`` as its bearer token (constant-time compare)."""
     token = bearer_token(request)
     return token is not None and hmac.compare_digest(token.encode(), secret.encode())
+
+
+MAX_REQUEST_ID_CHARS = 200
+_REQUEST_ID = re.compile(rf"[!-~]{{1,{MAX_REQUEST_ID_CHARS}}}")  # visible ASCII: no spaces, no controls
+
+
+def client_request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id`` when it is one to carry on: 1-200 visible ASCII characters. Otherwise
+    None, and the server names the request itself (as Heroku's router does with an id it will not take).
+
+    The id goes into every log line of the request, onto the spans, to the replica and back in the
+    response; an id of any size (up to the 64 KiB head bound) or with spaces would bloat or break those
+    lines, and refusing a request over a tracing header would be worse."""
+    value = request.headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
 
 
 def declared_length_exceeds(scope: Scope, max_bytes: int) -> bool:

@@ -31,7 +31,7 @@ from opentelemetry import trace
 
 from kvfleet_common import redis_keys
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.http import ApiError
+from kvfleet_common.http import ApiError, client_request_id
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvfleet_common.registry import Admission, AdmitResult, UsageRecord, rate_retry_after
 from kvfleet_common.schemas import Heartbeat, TenantRecord
@@ -146,7 +146,7 @@ class Proxy:
         raw: Request,
     ) -> Response:
         r = Routed(
-            request_id=raw.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}",
+            request_id=client_request_id(raw) or f"gw-{uuid.uuid4().hex}",
             endpoint=endpoint, tenant=tenant, model=body.model,
             started=raw.scope.get(RECEIVED_AT) or time.perf_counter(),
         )  # fmt: skip

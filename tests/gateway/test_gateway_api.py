@@ -476,11 +476,28 @@ def test_oversized_request_heads_get_a_431_and_normal_ones_still_pass(fleet, key
     headers = {"Authorization": f"Bearer {key}", "x-request-id": "r" * (80 * 1024)}
     r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", json=_CHAT, headers=headers, timeout=60)
     assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
-    headers["x-request-id"] = "r" * (8 * 1024)  # long, within the bound: served, and echoed
+    headers["x-request-id"] = "r" * (8 * 1024)  # within the bound: served, under an id of the gateway's own
     r = httpx.post(
         f"{fleet.gateway.url}/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=headers
     )
-    assert r.status_code == 200 and r.headers["x-request-id"] == headers["x-request-id"]
+    assert r.status_code == 200 and r.headers["x-request-id"].startswith("gw-")
+    assert len(r.headers["x-request-id"]) < 64 and "r" * 201 not in fleet.gateway.log()
+
+
+def test_the_client_request_id_reaches_the_replica_when_usable(fleet, key):
+    """A usable X-Request-Id is the request's id from end to end (the response header and ``id``, the
+    gateway's and the replica's log lines); one with spaces is replaced by the gateway's own."""
+    auth = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", json={**_CHAT, "max_tokens": 2},
+                   headers={**auth, "x-request-id": "trace-4a7/b"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-4a7/b" == r.json()["id"]
+    replica = fleet.engine_for(r.headers["x-kvfleet-replica"])
+    wait_until(lambda: " trace-4a7/b " in fleet.gateway.log() and " trace-4a7/b " in replica.log_path.read_text(),
+               10, 0.1, "both log lines")  # fmt: skip
+    r = httpx.post(f"{fleet.gateway.url}/v1/chat/completions", json={**_CHAT, "max_tokens": 2},
+                   headers={**auth, "x-request-id": "two words"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"].startswith("gw-")
+    assert r.json()["id"] == r.headers["x-request-id"]
 
 
 def test_a_client_whose_body_stops_arriving_gets_a_408_and_leaves_nothing_behind(fleet, key):

@@ -252,6 +252,16 @@ def test_requests_sharing_an_x_request_id_both_complete(server, offline):
         assert text == greedy(offline, prompt, 24).text
 
 
+def test_an_unusable_x_request_id_is_replaced_by_the_servers_own(server):
+    body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 1}
+    for bad in ("x" * 201, "two words"):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"x-request-id": bad})
+        assert r.status_code == 200 and r.headers["x-request-id"].startswith("cmpl-")
+        assert r.json()["id"] == r.headers["x-request-id"]
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"x-request-id": "x" * 200})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "x" * 200 == r.json()["id"]
+
+
 def test_tokenize_detokenize_roundtrip(server, offline):
     r = httpx.post(f"{server.url}/tokenize", json={"model": server.model, "prompt": PROMPTS[0]}).json()
     assert r["tokens"] == offline.get_tokenizer().encode(PROMPTS[0])

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from kvfleet_common.http import ApiError
+from kvfleet_common.http import ApiError, client_request_id
 from kvfleet_common.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -66,10 +66,10 @@ class RequestRecord:
     """Timing and token counts of one HTTP request: metrics, span attributes and the log line.
 
     ``request_id`` is the id the client sees (the response's ``id``, ``X-Request-Id``, the log line, the
-    span): the client's own ``X-Request-Id`` when it sent one. ``engine_id`` names the request inside the
-    engine, where ids must be unique: a client's id gets a random suffix there, since two live requests may
-    carry the same one (two tenants behind a gateway, a client reusing its ids) and neither may fail or
-    abort the other."""
+    span): the client's own ``X-Request-Id`` when it sent a usable one (``client_request_id``). ``engine_id``
+    names the request inside the engine, where ids must be unique: a client's id gets a random suffix there,
+    since two live requests may carry the same one (two tenants behind a gateway, a client reusing its ids)
+    and neither may fail or abort the other."""
 
     request_id: str
     endpoint: str
@@ -517,8 +517,8 @@ class OpenAIServing:
 
 
 def _record(raw: Request, endpoint: str, id_prefix: str) -> RequestRecord:
-    client_id = raw.headers.get("x-request-id")
-    if not client_id:
+    client_id = client_request_id(raw)
+    if client_id is None:
         own = f"{id_prefix}-{uuid.uuid4().hex}"
         return RequestRecord(own, endpoint, own)
     return RequestRecord(client_id, endpoint, f"{client_id}~{uuid.uuid4().hex[:12]}")
