@@ -552,7 +552,11 @@ def test_a_step_lists_first_tokens_then_finishing_requests_then_the_rest():
     sched.add_request(make_req("new", prompt_of(5, 500), max_tokens=10))
     so, outs = model.step()
     assert list(so.num_scheduled_tokens) == ["old", "ending", "new"]  # the batch order
-    assert [(o.request_id, o.finish_reason) for o in outs] == [("new", None), ("ending", "length"), ("old", None)]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [
+        ("new", None),
+        ("ending", "length"),
+        ("old", None),
+    ]
 
 
 def test_stats():
