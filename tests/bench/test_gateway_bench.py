@@ -21,6 +21,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import _fleet as fleet  # noqa: E402
 import _serve_common as sc  # noqa: E402
+from sse_server import SseServer  # noqa: E402
 
 
 def _load(name: str):
@@ -171,33 +172,6 @@ def test_gateway_overhead_quick_writes_stats(
     assert os.sched_getaffinity(0) == set(cpus)  # the test process got its CPUs back
 
 
-def _sse_server(pieces: list[bytes], status: int = 200):
-    """A one-shot HTTP server answering every request with ``status`` and a chunked body written in
-    ``pieces`` (each flushed on its own, with a pause, so the client gets them apart)."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(
-            next(
-                line.split(b":")[1]
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            )
-        )
-        await reader.readexactly(length)
-        writer.write(
-            f"HTTP/1.1 {status} X\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".encode()
-        )
-        for piece in pieces:
-            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            await writer.drain()
-            await asyncio.sleep(0.01)
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-
-    return asyncio.start_server(answer, "127.0.0.1", 0)
-
-
 def _event(obj: dict | str) -> bytes:
     return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
 
@@ -216,9 +190,7 @@ def test_sse_client_reads_events_cut_anywhere(cut: int) -> None:
     pieces = [body[i : i + cut] for i in range(0, len(body), cut)]
 
     async def go() -> fleet.StreamResult:
-        server = await _sse_server(pieces)
-        port = server.sockets[0].getsockname()[1]
-        async with server, fleet.SseClient(f"http://127.0.0.1:{port}", "k", 10) as client:
+        async with SseServer(pieces, gap_s=0.01, path="") as url, fleet.SseClient(url, "k", 10) as client:
             return await fleet.stream_request(client, "/v1/chat/completions", {"stream": True})
 
     r = asyncio.run(go())
@@ -229,9 +201,8 @@ def test_sse_client_reads_events_cut_anywhere(cut: int) -> None:
 
 def test_sse_client_reports_errors_without_raising() -> None:
     async def go(pieces: list[bytes], status: int = 200) -> fleet.StreamResult:
-        server = await _sse_server(pieces, status)
-        port = server.sockets[0].getsockname()[1]
-        async with server, fleet.SseClient(f"http://127.0.0.1:{port}", None, 10) as client:
+        server = SseServer(pieces, gap_s=0.01, status=status, path="")
+        async with server as url, fleet.SseClient(url, None, 10) as client:
             return await client.stream("/v1/completions", {})
 
     r = asyncio.run(go([b'{"error": {"message": "slow down"}}'], status=429))

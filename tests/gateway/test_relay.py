@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+from sse_server import SseServer
 
 from kvfleet_gateway.relay import SseRelay
 from kvfleet_gateway.upstream import Upstream, UpstreamConnectError
@@ -19,69 +20,6 @@ EVENTS = [
     b'data: {"choices":[],"usage":' + json.dumps(USAGE, separators=(",", ":")).encode() + b"}\n\n",
     b"data: [DONE]\n\n",
 ]
-
-
-def _chunked(piece: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(piece), piece)
-
-
-class SseServer:
-    """Answers each request with a chunked SSE body cut into ``pieces`` (one chunk and one write each,
-    ``gap_s`` apart; ``one_write``: every chunk and the body's end in a single write);
-    ``stall_after``: stop sending (connection open) after that many pieces, before the chunked body's end.
-    Records how connections end."""
-
-    def __init__(
-        self, pieces: list[bytes], gap_s: float = 0.0, stall_after: int | None = None, one_write: bool = False
-    ) -> None:
-        self.pieces, self.gap_s, self.stall_after, self.one_write = pieces, gap_s, stall_after, one_write
-        self.eof_seen = asyncio.Event()  # a connection was closed by the client
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/completions"
-
-    async def __aexit__(self, *exc) -> None:
-        assert self.server is not None
-        self.server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length"))  # fmt: skip
-            await reader.readexactly(length)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            )
-            if self.one_write:
-                writer.write(b"".join(map(_chunked, self.pieces)) + b"0\r\n\r\n")
-                await writer.drain()
-            else:
-                await self._send_pieces(reader, writer)
-            if await reader.read() == b"":
-                self.eof_seen.set()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self.eof_seen.set()
-        finally:
-            writer.close()
-
-    async def _send_pieces(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for i, piece in enumerate(self.pieces):
-            if self.stall_after is not None and i == self.stall_after:
-                await reader.read()  # until the client gives up
-                break
-            writer.write(_chunked(piece))
-            await writer.drain()
-            if self.gap_s:
-                await asyncio.sleep(self.gap_s)
-        else:
-            if self.stall_after == len(self.pieces):  # every event, but not the body's end
-                await reader.read()
-            else:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
 
 
 class Client:
