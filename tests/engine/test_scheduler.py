@@ -80,6 +80,7 @@ class FakeModel:
         self.script = defaultdict(list, {k: list(v) for k, v in (script or {}).items()})
         self.sample_fn = sample_fn
         self.hash_tokens: dict[bytes, list[int]] = {}
+        self.answered: set[str] = set()  # requests that had an output already
 
     def sample(self, rid: str, tokens: list[int]) -> int:
         if self.script[rid]:
@@ -153,7 +154,15 @@ class FakeModel:
         self.remember_hashes()
         outs = self.sched.update_from_output(so, self.execute(so))
         self.check_cache()
+        self.check_output_order(outs)
         return so, outs
+
+    def check_output_order(self, outs: list[EngineCoreOutput]) -> None:
+        """A step lists first tokens, then finishing outputs, then the rest (a preempted request's later
+        outputs are not first tokens)."""
+        groups = [0 if o.request_id not in self.answered else 1 if o.finished else 2 for o in outs]
+        assert groups == sorted(groups), [(o.request_id, g) for o, g in zip(outs, groups)]
+        self.answered.update(o.request_id for o in outs)
 
 
 def run_to_completion(model: FakeModel, max_steps: int = 500) -> dict[str, EngineCoreOutput]:
