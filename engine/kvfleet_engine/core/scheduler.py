@@ -285,9 +285,9 @@ class Scheduler:
         clients one write at a time, from the API server and again from every proxy on the way, and at
         100 streams that burst takes milliseconds to get through each of them. In batch order a new
         request's first token came last (new requests join the batch at its end), so it waited for the
-        whole burst, in every process, on its time to first token (and the oldest requests, the ones that
-        finish, came first only by luck). A mid-stream token's place in the burst hardly matters: a stream
-        keeps about the same place step after step, so its tokens stay a step apart.
+        whole burst, in every process, on its time to first token; a finishing request was early only when
+        it was among the oldest. A mid-stream token's place in the burst hardly matters: a stream keeps
+        about the same place step after step, so its tokens stay a step apart.
         """
         firsts: list[EngineCoreOutput] = []
         finished: list[EngineCoreOutput] = []
