@@ -5,6 +5,12 @@ one). Each request has a :class:`RequestOutputCollector`: the output task puts d
 without ever blocking, and a slow consumer simply finds several deltas merged into one when it
 next looks (so a slow client never slows the engine down). Cancelling the iterator (a client
 disconnect) aborts the request in the core, which frees its KV blocks.
+
+A step's outputs are detokenized and handed over in slices of :data:`OUTPUT_SLICE`, with the event
+loop let run between slices: the handlers of the first slice write their tokens while the rest is
+still to be detokenized. The scheduler lists a step's first tokens first, so a new stream's first
+token waits for a slice, not for the whole batch; and a large batch never holds the loop (health
+checks, new requests, writes) for the whole of its detokenization.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.core_process import PresenceOptions
 from kvfleet_engine.core.messages import CoreStats, EngineCoreOutputs, EngineCoreRequest
+from kvfleet_engine.core.scheduler import EngineCoreOutput
 from kvfleet_engine.core_client import EngineCoreClient, EngineDeadError, sampling_params_to_wire
 from kvfleet_engine.input_processor import InputProcessor, fan_out
 from kvfleet_engine.output_processor import OutputProcessor
@@ -26,6 +33,10 @@ from kvfleet_engine.sampling_params import SamplingParams
 from kvfleet_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Outputs detokenized between two turns of the event loop. About 10 us each on this project's CPUs:
+# a slice is ~0.3 ms, and at 100 streams the one extra loop turn per slice costs far less than that.
+OUTPUT_SLICE = 32
 
 
 class EngineSleepingError(RuntimeError):
@@ -186,13 +197,18 @@ class AsyncLLM:
             live.collector.put(RequestAbortedError(f"request {request_id} was aborted"))
         await self.client.abort(seq_ids)
 
-    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+    async def _on_outputs(self, outs: EngineCoreOutputs) -> None:
         if outs.stats is not None:
             self.stats = outs.stats
             self.sleep_level = outs.stats.sleep_level
-        if not outs.outputs:
-            return
-        deltas, to_stop = self.output_processor.process_outputs_delta(outs.outputs)
+        outputs = outs.outputs
+        for start in range(0, len(outputs), OUTPUT_SLICE):
+            if start:
+                await asyncio.sleep(0)  # the handlers woken by the previous slice write first
+            self._deliver(outputs[start : start + OUTPUT_SLICE])
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        deltas, to_stop = self.output_processor.process_outputs_delta(outputs)
         for d in deltas:
             live = self._live.get(d.request_id)
             if live is not None:

@@ -1,7 +1,7 @@
 """The API server's handle on the engine core process: spawn it, talk to it over ZMQ, notice its death.
 
 Requests and aborts go out on a PUSH socket; everything the core produces comes back on a PULL
-socket and is handed to ``on_outputs``. A watcher task waits on the process sentinel: if the core
+socket and is handed to ``on_outputs`` (awaited: the next message is read once it is done). A watcher task waits on the process sentinel: if the core
 exits for any reason, ``dead`` is set, pending utility calls fail with :class:`EngineDeadError`
 and ``on_dead`` is called once so the frontend can fail every open request at once (no hangs).
 """
@@ -15,7 +15,7 @@ import logging
 import multiprocessing
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -47,7 +47,7 @@ class EngineCoreClient:
     def __init__(
         self,
         config: EngineConfig,
-        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_outputs: Callable[[EngineCoreOutputs], Awaitable[None]],
         on_dead: Callable[[str], None],
         presence: PresenceOptions | None = None,
         startup_timeout: float = 1800.0,
@@ -133,7 +133,7 @@ class EngineCoreClient:
                 logger.error("engine core reported a fatal error:\n%s", outs.fatal_error)
                 self._mark_dead("the engine core failed: " + outs.fatal_error.strip().splitlines()[-1])
             try:
-                self._on_outputs(outs)
+                await self._on_outputs(outs)
             except Exception:  # a frontend bug must not stop output delivery for everyone else
                 logger.exception("processing engine outputs failed")
 
