@@ -1,9 +1,10 @@
 """The API server's handle on the engine core process: spawn it, talk to it over ZMQ, notice its death.
 
 Requests and aborts go out on a PUSH socket; everything the core produces comes back on a PULL
-socket and is handed to ``on_outputs`` (awaited: the next message is read once it is done). A watcher task waits on the process sentinel: if the core
-exits for any reason, ``dead`` is set, pending utility calls fail with :class:`EngineDeadError`
-and ``on_dead`` is called once so the frontend can fail every open request at once (no hangs).
+socket and is handed to ``on_outputs``, which is awaited before the next message is read. A watcher
+task waits on the process sentinel: if the core exits for any reason, ``dead`` is set, pending
+utility calls fail with :class:`EngineDeadError` and ``on_dead`` is called once so the frontend can
+fail every open request at once (no hangs).
 """
 
 from __future__ import annotations
