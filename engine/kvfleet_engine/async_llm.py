@@ -34,8 +34,9 @@ from kvfleet_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Outputs detokenized between two turns of the event loop. About 10 us each on this project's CPUs:
-# a slice is ~0.3 ms, and at 100 streams the one extra loop turn per slice costs far less than that.
+# Outputs detokenized between two turns of the event loop: 7-12 us each on this project's CPUs, so a
+# slice is 0.2-0.4 ms. Slices of 8 put first tokens out sooner still but every other token later
+# (more loop turns per step); docs/ARCHITECTURE.md has the measurements.
 OUTPUT_SLICE = 32
 
 
