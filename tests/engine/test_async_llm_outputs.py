@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import zmq
-import zmq.asyncio
 
 from kvfleet_engine.async_llm import OUTPUT_SLICE, AsyncLLM
 from kvfleet_engine.config import EngineConfig
