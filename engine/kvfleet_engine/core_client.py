@@ -66,6 +66,8 @@ class EngineCoreClient:
         self._input.bind(self._input_addr)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(self._output_addr)
+        # Watched from before the core starts, so that its connections are seen (_remove_socket_files).
+        self._monitors = [sock.get_monitor_socket(zmq.EVENT_ACCEPTED) for sock in (self._input, self._output)]
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -117,7 +119,29 @@ class EngineCoreClient:
         self._tasks = [
             asyncio.create_task(self._output_loop(), name="core-outputs"),
             asyncio.create_task(self._watch_process(), name="core-watch"),
+            asyncio.create_task(self._remove_socket_files(), name="core-socket-files"),
         ]
+
+    async def _remove_socket_files(self, timeout: float = 60.0) -> None:
+        """Remove the sockets' directory once the core has connected to both: a connection does not need
+        its path, and nothing else should connect. A server killed with SIGKILL (its core dies with it)
+        then leaves nothing behind in the temp dir; until this has run, ``shutdown`` removes it."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(m.recv_multipart() for m in self._monitors)), timeout)
+        except TimeoutError:
+            logger.warning(
+                "the engine core did not connect within %.0f s; its socket files stay for now", timeout
+            )
+            return
+        finally:
+            self._close_monitors()
+        self._dir.cleanup()
+
+    def _close_monitors(self) -> None:
+        for sock, monitor in zip((self._input, self._output), self._monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        self._monitors = []
 
     async def _output_loop(self) -> None:
         while True:
@@ -204,6 +228,7 @@ class EngineCoreClient:
                 self.proc.join(5)
         if self._parent_conn is not None:
             self._parent_conn.close()
+        self._close_monitors()
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()

@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -178,12 +179,26 @@ def test_sigterm_finishes_in_flight_requests_then_exits(demo_model, tmp_path):
             assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived the server"
 
 
-def test_parent_sigkill_takes_the_core_down(demo_model, tmp_path):
-    with run_server(demo_model("llama", "tiny"), tmp_path, "--max-model-len", "256") as server:
+def test_parent_sigkill_takes_the_core_down_and_leaves_no_socket_files(demo_model, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+
+    def server_files() -> list[str]:
+        return [p.name for p in tmp.glob("kvfleet-core-*")]
+
+    with run_server(
+        demo_model("llama", "tiny"), tmp_path, "--max-model-len", "256", env={"TMPDIR": str(tmp)}
+    ) as server:
         core = server.core_pid()
+        # No named semaphore that only the resource tracker would remove (tqdm's default lock made one).
+        assert "/dev/shm/sem." not in Path(f"/proc/{core}/maps").read_text()
+        # Once the core has connected, its sockets' directory goes; the connections serve on.
+        assert wait_until(lambda: not server_files(), timeout=10), server_files()
+        assert completion(server).status_code == 200
         server.proc.kill()
         server.proc.wait(10)
         assert wait_until(lambda: not alive(core), timeout=10), "the engine core outlived its API server"
+    assert not server_files()
 
 
 def test_tensor_parallel_server_matches_and_a_dead_worker_fails_the_replica(demo_model, tmp_path, server):
@@ -197,6 +212,7 @@ def test_tensor_parallel_server_matches_and_a_dead_worker_fails_the_replica(demo
         core = tp_server.core_pid()
         workers = [p for p in descendants_of(core) if "spawn_main" in cmdline(p)]
         assert len(workers) == 2, workers
+        assert not any("/dev/shm/sem." in Path(f"/proc/{pid}/maps").read_text() for pid in workers)
         os.kill(workers[1], signal.SIGKILL)
         assert wait_until(lambda: httpx.get(f"{tp_server.url}/health").status_code == 503, timeout=10)
         r = completion(tp_server)

@@ -41,6 +41,7 @@ from kvfleet_engine.core.messages import (
     UtilityResult,
 )
 from kvfleet_engine.core.scheduler import EngineCoreOutput
+from kvfleet_engine.models.loader import use_a_thread_lock_for_progress_bars
 from kvfleet_engine.request import Request
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -328,6 +329,7 @@ def run_engine_core(
     """Entry point of the spawned core process. Reports ``{"ok": ...}`` on ``ready_conn`` once
     the model and KV cache are ready (or the start-up error), then serves until told to stop."""
     die_with_parent()
+    use_a_thread_lock_for_progress_bars()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s", force=True
     )

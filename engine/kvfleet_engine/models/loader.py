@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as tqdm_base
 
 logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the engine recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def use_a_thread_lock_for_progress_bars() -> None:
+    """For the engine's own processes (core, workers), which each draw their own bars. tqdm's first bar, even
+    a disabled one, otherwise creates a multiprocessing lock: a named semaphore in /dev/shm that, in a process
+    started with "spawn", only Python's resource tracker removes. A process group killed at once (``kill -9``
+    of a replica) left one behind per process."""
+    tqdm_base.set_lock(threading.RLock())
 
 
 class LazySlice:

@@ -109,6 +109,10 @@ def run_worker(spec: WorkerSpec, conn: Connection, death_pipe: Connection) -> No
     try:
         import torch
 
+        from kvfleet_engine.models.loader import use_a_thread_lock_for_progress_bars
+
+        use_a_thread_lock_for_progress_bars()
+
         from kvfleet_engine.distributed import get_parallel_state, init_distributed, output_rank
         from kvfleet_engine.worker.worker import Worker
 
