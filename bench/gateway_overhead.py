@@ -39,9 +39,10 @@ differ on each measure (the noise floor). A sequential reference (concurrency 1,
 the gateway's own cost without queueing; ``closed`` only); the gateway's request path per request (arrival ->
 upstream request sent, from its per-request log line, which the bench runs at INFO); CPU seconds per request
 of the gateway, the engine and the client (``/proc``); Redis round trips per gateway request from
-``kvfleet_gateway_redis_round_trips_total`` (``path="request"`` and ``path="background"``, deltas over the gateway rounds) and Redis's own
-``total_commands_processed`` / ``INFO commandstats`` deltas per request, over the gateway rounds and,
-for comparison, over the direct rounds (what the replica's heartbeats and KV events cost on their own).
+``kvfleet_gateway_redis_round_trips_total`` (``path="request"`` and ``path="background"``, deltas over the
+gateway rounds) and Redis's own ``total_commands_processed`` / ``INFO commandstats`` deltas per request, over
+the gateway rounds and, for comparison, over the direct rounds (what the replica's heartbeats and KV events
+cost on their own).
 
 The load generator's client (``--client``) is ``_fleet.SseClient`` by default: each event is parsed and
 timed in its connection's callback, at ~2 ms of CPU per 64-token stream; httpx (``--client httpx``) took ~8 ms,
