@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvfleet_engine.device import canonical_device, cuda_index
+
 if TYPE_CHECKING:
     from kvfleet_engine.executor.simulated import SimulationCost
 
@@ -152,10 +154,11 @@ def _check_parallel(mc: ModelConfig, device: str, tp: int, pp: int, backend: str
     world = tp * pp
     if device.startswith("cuda"):
         available = torch.cuda.device_count()
-        _, _, index = device.partition(":")
-        if int(index or 0) + world > available:
+        first = cuda_index(device)
+        if first + world > available:
             raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} GPUs, found {available}"
+                f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} GPUs from {device}, "
+                f"found {available - first}"
             )
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -255,10 +258,7 @@ class EngineConfig:
                 tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
             )  # fmt: skip
             attention_backend = "torch"
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was requested but no CUDA device is available")
+        device = canonical_device(device, torch.cuda.device_count())
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {block_size}")
         if max_num_seqs < 1:

@@ -8,6 +8,7 @@ import torch
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvfleet_engine.device import bind_device
 from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.rotary import RotaryEmbedding
 from kvfleet_engine.models.loader import load_weights
@@ -35,7 +36,7 @@ class Worker:
         if config.device == "cpu":
             tune_host_allocator()
         else:
-            torch.cuda.set_device(torch.device(config.device))
+            bind_device(config.device)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, use_tqdm=use_tqdm)
         self.use_tqdm = use_tqdm

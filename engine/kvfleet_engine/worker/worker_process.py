@@ -49,14 +49,6 @@ def _exit_when_parent_dies(death_pipe: Connection) -> None:
     os._exit(1)
 
 
-def rank_device(config: EngineConfig, rank: int) -> str:
-    """CPU for every rank, or one CUDA device per rank counted from the configured one."""
-    if not config.device.startswith("cuda"):
-        return config.device
-    _, _, index = config.device.partition(":")
-    return f"cuda:{int(index or 0) + rank}"
-
-
 class _Handler:
     """The calls a broadcast message can name (on top of the worker's own)."""
 
@@ -113,17 +105,18 @@ def run_worker(spec: WorkerSpec, conn: Connection, death_pipe: Connection) -> No
 
         use_a_thread_lock_for_progress_bars()
 
+        from kvfleet_engine.device import bind_device, rank_device
         from kvfleet_engine.distributed import get_parallel_state, init_distributed, output_rank
         from kvfleet_engine.worker.worker import Worker
 
         torch.set_num_threads(spec.threads)
         cfg = spec.config
-        if cfg.device.startswith("cuda"):
-            torch.cuda.set_device(rank_device(cfg, spec.rank))  # before NCCL picks a device itself
+        device = rank_device(cfg.device, spec.rank)
+        bind_device(device)  # before NCCL picks a device itself
         init_distributed(
             spec.rank, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, spec.init_method, spec.backend
         )
-        worker = Worker(dataclasses.replace(cfg, device=rank_device(cfg, spec.rank)), use_tqdm=spec.use_tqdm)
+        worker = Worker(dataclasses.replace(cfg, device=device), use_tqdm=spec.use_tqdm)
         reader = BroadcastReader(spec.ring, spec.rank, conn)
         is_output = spec.rank == output_rank(cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
         assert get_parallel_state().rank == spec.rank
