@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay decode steps from captured CUDA graphs (slower; for debugging)")  # fmt: skip
     sim = p.add_argument_group(
         "simulation",
         "--simulate: the real engine with a timing model instead of the model (no weights loaded)",
@@ -62,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "enforce_eager",
     ]
     kwargs = {k: getattr(args, k) for k in keys}
     if getattr(args, "simulate", False):

@@ -217,6 +217,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # "uni": the worker runs in the engine's process; "mp": one process per TP x PP rank.
     distributed_executor_backend: str = "uni"
+    # Decode steps on CUDA replay captured graphs (worker/cuda_graph.py) unless this is set.
+    enforce_eager: bool = False
     # Set: a simulated replica (executor/simulated.py): real scheduler and KV cache, no model, a timing model.
     simulation: SimulationCost | None = None
 
@@ -240,6 +242,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        enforce_eager: bool = False,
         simulation: SimulationCost | dict[str, float] | None = None,
     ) -> EngineConfig:
         """Check the arguments against the model directory; raises ValueError with a message fit for a user.
@@ -309,6 +312,7 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
+            enforce_eager=bool(enforce_eager),
             simulation=simulation,
         )
 

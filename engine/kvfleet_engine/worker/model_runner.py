@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,9 +22,25 @@ from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.models.registry import get_model_class
 from kvfleet_engine.ops import attention_cpu
 from kvfleet_engine.ops.attention_torch import make_plan
+from kvfleet_engine.worker.cuda_graph import CaptureFn, CudaGraphCapture, DecodeGraphs
 from kvfleet_engine.worker.input_batch import CachedRequestState, InputBatch, new_request_state
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepArrays:
+    """One step's model inputs on the host, rows ordered decodes first."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64 KV cache slot of each new token
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, blocks the longest context needs] int32, contiguous
+    logits_idx: np.ndarray  # [B] int64: the token whose logits row b samples from, in batch-row order
+    num_decodes: int
+    max_query_len: int
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -74,6 +91,46 @@ class ModelRunner:
         self.stage_link = StageLink() if self.parallel.pp_size > 1 else None
         # (start, end) perf_counter times of this worker's compute per step (not waiting for input).
         self.busy_intervals: deque[tuple[float, float]] = deque(maxlen=4096)
+        # Decode steps replayed from CUDA graphs (None: every step runs eagerly). Captured once the KV
+        # cache exists (``capture_graphs``). TP/PP steps stay eager: capturing their collectives and
+        # stage transfers has not been verified on a multi-GPU machine yet.
+        self.graphs: DecodeGraphs | None = None
+        self.graph_steps = 0  # decode steps that replayed a graph (tests and benchmarks read it)
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.parallel.tp_size == 1
+            and self.parallel.pp_size == 1
+        ):
+            self.use_decode_graphs(CudaGraphCapture(self.device))
+
+    def use_decode_graphs(self, capture_fn: CaptureFn) -> None:
+        """Replay decode steps from graphs captured with ``capture_fn`` (captured with the KV cache).
+
+        On CUDA that is ``CudaGraphCapture``; tests on the CPU pass ``cuda_graph.eager_capture``."""
+        release = capture_fn.release if isinstance(capture_fn, CudaGraphCapture) else None
+        self.graphs = DecodeGraphs(
+            self.model, self.config.attention_backend, self.config.max_num_seqs, self.max_blocks_per_req,
+            self.block_size, self.device, capture_fn, release,
+        )  # fmt: skip
+        if self.kv_caches:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode graphs over the current weights and KV cache."""
+        if self.graphs is None:
+            return
+        t0 = time.perf_counter()
+        self.graphs.capture()
+        logger.info(
+            "captured decode graphs for %d batch sizes (up to %d) in %.2fs",
+            len(self.graphs.sizes), self.graphs.sizes[-1], time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def release_graphs(self) -> None:
+        """Drop the graphs (they point into the weights and KV cache, which are about to move)."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _load_model(self, use_tqdm: bool) -> torch.nn.Module:
         cfg = self.config
@@ -129,6 +186,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         """Drop every reference to the cache tensors so their storage is released."""
+        self.release_graphs()
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_caches = []
@@ -194,62 +252,90 @@ class ModelRunner:
         q_lens = np.array(
             [sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32
         )
-        input_ids, positions, meta, logits_idx = self._prepare_inputs(q_lens)
-        intermediate = None
-        if not self.parallel.is_first_stage:
-            shape = (2, int(input_ids.shape[0]), self.config.model.hidden_size)
-            intermediate = self.stage_link.recv(shape, self.config.dtype, self.device)
+        step = self._step_arrays(q_lens)
         t0 = time.perf_counter()
-        with set_attn_metadata(meta):
-            hidden = self.model(input_ids, positions, intermediate)
-        if not self.parallel.is_last_stage:
-            self.stage_link.send(hidden)
-            self.busy_intervals.append((t0, time.perf_counter()))
-            return None
-        logits = self.model.compute_logits(hidden[logits_idx])
+        if self.graphs is not None and self.graphs.can_run(n, len(step.token_ids)):
+            # Pure decode: rows are in batch order, so the hidden states are the logits' rows as-is.
+            hidden = self.graphs.run(
+                step.token_ids, step.positions, step.slots, step.seq_lens, step.block_tables
+            )
+            self.graph_steps += 1
+            logits = self.model.compute_logits(hidden)
+        else:
+            input_ids, positions, meta, logits_idx = self._device_inputs(step)
+            intermediate = None
+            if not self.parallel.is_first_stage:
+                shape = (2, int(input_ids.shape[0]), self.config.model.hidden_size)
+                intermediate = self.stage_link.recv(shape, self.config.dtype, self.device)
+                t0 = time.perf_counter()
+            with set_attn_metadata(meta):
+                hidden = self.model(input_ids, positions, intermediate)
+            if not self.parallel.is_last_stage:
+                self.stage_link.send(hidden)
+                self.busy_intervals.append((t0, time.perf_counter()))
+                return None
+            logits = self.model.compute_logits(hidden[logits_idx])
         out = self._sample(logits, q_lens)
         self.busy_intervals.append((t0, time.perf_counter()))
         return out
 
-    def _prepare_inputs(self, q_lens: np.ndarray):
-        """Token ids, positions, attention metadata and logits indices for this step, built with numpy."""
-        batch, n, bs, dev = self.batch, len(q_lens), self.block_size, self.device
+    def _step_arrays(self, q_lens: np.ndarray) -> StepArrays:
+        """This step's inputs as host arrays, rows ordered decodes first (the attention backends batch
+        decodes separately from prefills)."""
+        batch, n, bs = self.batch, len(q_lens), self.block_size
         computed = batch.num_computed_tokens[:n]
-        # Decodes first: the attention backends batch them separately from prefills.
         is_decode = q_lens == 1
-        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
         num_decodes = int(is_decode.sum())
-        q_o = q_lens[order]
+        if num_decodes == n:
+            order = np.arange(n)
+            q_o = q_lens
+        else:
+            order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+            q_o = q_lens[order]
         cu = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(q_o, out=cu[1:])
         rows = np.repeat(order, q_o)
         positions = np.repeat(computed[order] - cu[:-1], q_o) + np.arange(int(cu[-1]), dtype=np.int32)
-        token_ids = batch.token_ids[rows, positions]
-        slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (computed[order] + q_o).astype(np.int32)
-        block_tables = batch.block_table[order, : -(-int(seq_lens.max()) // bs)]
         # Logits of each row's last scheduled token, in batch-row order (what the sampler indexes).
         logits_idx = np.empty(n, dtype=np.int64)
         logits_idx[order] = cu[1:] - 1
+        return StepArrays(
+            token_ids=batch.token_ids[rows, positions].astype(np.int64),
+            positions=positions.astype(np.int64),
+            slots=batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs,
+            query_start_loc=cu,
+            seq_lens=seq_lens,
+            block_tables=np.ascontiguousarray(batch.block_table[order, : -(-int(seq_lens.max()) // bs)]),
+            logits_idx=logits_idx,
+            num_decodes=num_decodes,
+            max_query_len=int(q_o.max()),
+        )
 
+    def _device_inputs(self, step: StepArrays):
+        """Token ids, positions, attention metadata and logits indices of an eager step, on the device."""
+        dev = self.device
         plan = None
         if self.config.attention_backend == "torch":
-            plan = make_plan(cu, seq_lens, block_tables, num_decodes, bs, dev, self.use_c_decode)
+            plan = make_plan(
+                step.query_start_loc, step.seq_lens, step.block_tables, step.num_decodes, self.block_size,
+                dev, self.use_c_decode,
+            )  # fmt: skip
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            max_query_len=int(q_o.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decodes=num_decodes,
+            slot_mapping=torch.from_numpy(step.slots).to(dev),
+            query_start_loc=torch.from_numpy(step.query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(step.seq_lens).to(dev),
+            block_tables=torch.from_numpy(step.block_tables).to(dev),
+            max_query_len=step.max_query_len,
+            max_seq_len=int(step.seq_lens.max()),
+            num_decodes=step.num_decodes,
             plan=plan,
         )
         return (
-            torch.from_numpy(token_ids.astype(np.int64)).to(dev),
-            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            torch.from_numpy(step.token_ids).to(dev),
+            torch.from_numpy(step.positions).to(dev),
             meta,
-            torch.from_numpy(logits_idx).to(dev),
+            torch.from_numpy(step.logits_idx).to(dev),
         )
 
     def _sample(self, logits: torch.Tensor, q_lens: np.ndarray) -> ModelRunnerOutput:

@@ -29,6 +29,7 @@ class Worker:
     memory (pinned on CUDA; on CPU they already are host memory and stay put); at level 2 they are
     discarded and re-read from the model directory on wake. ``wake_up`` restores the same shapes and
     block count, so the scheduler's view of the cache stays valid. Repeated sleeps/wakes are no-ops.
+    Decode graphs (CUDA) are released with the KV cache and captured again once both parts are awake.
     """
 
     def __init__(self, config: EngineConfig, use_tqdm: bool = True) -> None:
@@ -71,6 +72,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_graphs()
 
     def execute_model(
         self, sched: SchedulerOutput, new_token_ids: dict[str, list[int]] | None = None
@@ -133,6 +135,9 @@ class Worker:
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.sleep_level = 0
+            if parts:
+                # The decode graphs pointed at the released weights and KV cache: capture them anew.
+                self.runner.capture_graphs()
 
     def _restore_weights(self) -> None:
         device = self.runner.device
