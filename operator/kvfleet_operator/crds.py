@@ -133,6 +133,11 @@ def _engine_schema() -> dict:
                 "maximum": 1,
             },
             "enablePrefixCaching": {"type": "boolean", "default": True},
+            "enforceEager": {
+                "type": "boolean",
+                "default": False,
+                "description": "Run every decode step eagerly, without CUDA graphs (slower; for debugging).",
+            },
             "seed": _int(0, description="Sampling seed of the engine."),
             "extraArgs": {
                 "type": "array",

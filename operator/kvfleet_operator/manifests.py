@@ -124,6 +124,8 @@ def engine_args(model: ModelSpec) -> list[str]:
             args += [flag, str(value)]
     if not e.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if e.enforce_eager:
+        args.append("--enforce-eager")
     # On SIGTERM the engine lets in-flight requests finish for this long; keep it inside the pod's grace
     # period so the kubelet's SIGKILL never cuts a drain short.
     args += ["--shutdown-timeout", str(shutdown_timeout(model))]

@@ -77,6 +77,7 @@ class EngineSpec:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float | None
     enable_prefix_caching: bool
+    enforce_eager: bool
     seed: int | None
     extra_args: tuple[str, ...]
     env: tuple[dict[str, Any], ...]
@@ -148,6 +149,7 @@ def model_spec_from(obj: dict) -> ModelSpec:
             kv_cache_memory_bytes=parse_bytes(engine["kvCacheMemory"]) if "kvCacheMemory" in engine else None,
             gpu_memory_utilization=engine.get("gpuMemoryUtilization"),
             enable_prefix_caching=engine["enablePrefixCaching"],
+            enforce_eager=engine.get("enforceEager", False),
             seed=engine.get("seed"),
             extra_args=tuple(engine.get("extraArgs", ())),
             env=tuple(engine.get("env", ())),

@@ -290,6 +290,7 @@ def test_rendered_arguments_parse_with_the_engines_own_command_line():
                 "blockSize": 32,
                 "gpuMemoryUtilization": 0.8,
                 "enablePrefixCaching": False,
+                "enforceEager": True,
                 "seed": 3,
             },
             model={"uri": "pvc://models/llama", "servedName": "org/llama"},
@@ -311,8 +312,10 @@ def test_rendered_arguments_parse_with_the_engines_own_command_line():
     )
     assert (args.block_size, args.gpu_memory_utilization, args.seed) == (32, 0.8, 3)
     assert args.enable_prefix_caching is False and args.kv_cache_memory_bytes is None
+    assert args.enforce_eager is True
     assert args.shutdown_timeout == 110.0
 
     cpu = model_spec_from(model_obj(accelerator="cpu", engine={"kvCacheMemory": "1Gi"}))
     args = server_cli.build_parser().parse_args(manifests.engine_args(cpu))
     assert args.device == "cpu" and args.kv_cache_memory_bytes == 2**30 and args.enable_prefix_caching is True
+    assert args.enforce_eager is False
