@@ -66,6 +66,7 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)  # the row's request has its own generator
 
     # ---- diff application ---------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class InputBatch:
         self.has_penalty[i] = sp.has_penalties
         self.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[i] = sp.min_tokens
+        self.seeded[i] = state.generator is not None
         return i
 
     def append_block_ids(self, i: int, block_ids: list[int], record: bool = True) -> None:
@@ -149,6 +151,7 @@ class InputBatch:
             self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
             self.temperature, self.top_p, self.top_k, self.min_p, self.frequency_penalty,
             self.presence_penalty, self.repetition_penalty, self.num_logprobs, self.has_penalty, self.min_tokens,
+            self.seeded,
         ):  # fmt: skip
             arr[dst] = arr[src]
 
@@ -157,6 +160,15 @@ class InputBatch:
         self.token_ids[i, n] = token_id
         self.num_tokens[i] = n + 1
         self.states[i].output_token_ids.append(token_id)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """``append_token`` for many rows at once (each row at most once)."""
+        ends = self.num_tokens[rows]
+        self.token_ids[rows, ends] = token_ids
+        self.num_tokens[rows] = ends + 1
+        states = self.states
+        for i, tok in zip(rows.tolist(), token_ids.tolist()):
+            states[i].output_token_ids.append(tok)
 
     # ---- sampling metadata --------------------------------------------------------------------
 
@@ -174,18 +186,19 @@ class InputBatch:
         top_p = opt(self.top_p, random_rows & (self.top_p[:n] < 1.0))
         top_k = opt(self.top_k, random_rows & (self.top_k[:n] > 0))
         min_p = opt(self.min_p, random_rows & (self.min_p[:n] > 0.0))
-        generators = {}
+        # Per-row Python only for the rows that need it: seeded rows, rows below their min_tokens, and
+        # (for penalties and min_tokens) the output lists. A plain batch builds no per-row objects.
+        generators = {i: self.states[i].generator for i in np.flatnonzero(self.seeded[:n]).tolist()}
         min_tokens = {}
-        output_lists = []
-        for i in range(n):
-            st = self.states[i]
-            output_lists.append(st.output_token_ids)
-            if st.generator is not None:
-                generators[i] = st.generator
-            if self.min_tokens[i] and len(st.output_token_ids) < self.min_tokens[i]:
-                min_tokens[i] = (int(self.min_tokens[i]), st.min_tokens_stop_ids)
-        max_lp = int(self.num_logprobs[:n].max()) if n else -1
+        for i in np.flatnonzero(
+            self.min_tokens[:n] > self.num_tokens[:n] - self.num_prompt_tokens[:n]
+        ).tolist():
+            min_tokens[i] = (int(self.min_tokens[i]), self.states[i].min_tokens_stop_ids)
         no_penalties = not bool(self.has_penalty[:n].any())
+        output_lists = []
+        if min_tokens or not no_penalties:
+            output_lists = [self.states[i].output_token_ids for i in range(n)]
+        max_lp = int(self.num_logprobs[:n].max()) if n else -1
         prompt_ids = None
         if not no_penalties:
             width = int(self.num_prompt_tokens[:n].max())

@@ -343,23 +343,21 @@ class ModelRunner:
         # Rows still mid-prefill sample nothing; their seeded generators must not advance either.
         completes = batch.num_computed_tokens[:n] + q_lens >= batch.num_tokens[:n]
         saved = {}
-        for i in np.flatnonzero(~completes):
-            g = batch.states[i].generator
-            if g is not None:
-                saved[i] = g.get_state()
+        for i in np.flatnonzero(~completes & batch.seeded[:n]).tolist():
+            saved[i] = batch.states[i].generator.get_state()
         out = self.sampler(logits, batch.sampling_metadata(self.generator))
         for i, state in saved.items():
             batch.states[i].generator.set_state(state)
 
-        sampled = out.sampled_token_ids.tolist()
-        sampled_lists: list[list[int]] = []
-        for i in range(n):
-            if completes[i]:
-                if self.append_sampled:
-                    batch.append_token(i, sampled[i])
-                sampled_lists.append([sampled[i]])
-            else:
-                sampled_lists.append([])
+        sampled = out.sampled_token_ids.cpu().numpy()  # the step's one device -> host sync
+        if completes.all():
+            rows = np.arange(n)
+            sampled_lists = [[t] for t in sampled.tolist()]
+        else:
+            rows = np.flatnonzero(completes)
+            sampled_lists = [[t] if c else [] for t, c in zip(sampled.tolist(), completes.tolist())]
+        if self.append_sampled:
+            batch.append_tokens(rows, sampled[rows])
         result = ModelRunnerOutput([batch.req_ids[i] for i in range(n)], sampled_lists)
         if out.logprobs is not None:
             result.logprob_token_ids = out.logprobs.token_ids.tolist()
