@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet_engine.ops import elementwise_cpu
+from kvfleet_engine.ops import elementwise_cpu, elementwise_triton
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -33,6 +33,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
+    """RoPE shared by all layers of a model.
+
+    CUDA inputs (with triton installed) are rotated in place by one Triton kernel that gathers cos/sin by
+    position on the device: that path keeps no per-step cache, since under CUDA graphs the positions tensor
+    is a static buffer whose contents change every replay. ``use_triton`` (from
+    ``KVFLEET_TRITON_ELEMENTWISE`` at construction) forces that kernel on (True, e.g. on CPU under
+    ``TRITON_INTERPRET=1``) or off (False); None picks by device. Float32 CPU inputs go to the C kernel,
+    anything else to torch.
+    """
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
@@ -47,6 +57,7 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._checked_positions: torch.Tensor | None = None
         self._c_ok = False
+        self.use_triton: bool | None = elementwise_triton.mode_from_env()
 
     def clear_cache(self) -> None:
         """Forget the per-step gathered tables (e.g. before the worker sleeps)."""
@@ -100,8 +111,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]. Float32 CPU inputs are rotated in place and
-        returned; others get new tensors."""
+        """q: [T, H, D], k: [T, KVH, D]; positions: [T]. Triton-path and float32 CPU inputs are rotated in
+        place and returned; others get new tensors."""
+        if elementwise_triton.wanted(self.use_triton, q):
+            return elementwise_triton.rotary_(q, k, positions, self.cos, self.sin)
         if self._forward_c(positions, q, k):
             return q, k
         cos, sin = self._lookup(positions, q.dtype)

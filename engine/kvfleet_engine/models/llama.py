@@ -14,6 +14,7 @@ from torch import nn
 
 from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.distributed import get_parallel_state, stage_layer_range
+from kvfleet_engine.layers.activation import SiluAndMul
 from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvfleet_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -50,10 +51,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
