@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import struct
@@ -69,10 +70,10 @@ def resolve_model(args: Any) -> Path:
     return ensure_demo_model(args.arch, args.preset, args.model_seed, args.model_cache)
 
 
-def add_model_args(parser: Any, default_preset: str = "small") -> None:
+def add_model_args(parser: Any, default_preset: str = "small", default_arch: str = "llama") -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--preset", default=default_preset, help="demo-model preset (tiny, small, bench)")
-    g.add_argument("--arch", default="llama", help="demo-model architecture (llama, qwen2, mistral)")
+    g.add_argument("--arch", default=default_arch, help="demo-model architecture (llama, qwen2, mistral)")
     g.add_argument("--model-seed", type=int, default=0, help="demo-model weight seed")
     g.add_argument(
         "--model-cache", default=None, help=f"demo-model cache directory (default {MODEL_CACHE_DIR})"
@@ -141,6 +142,36 @@ def parameter_counts(model_dir: Path) -> dict[str, Any]:
 
 
 # ---- machine -------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; any other name as given."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def device_name(device: str) -> str:
+    """The card's name (``torch.cuda.get_device_name``) for a CUDA device, ``cpu`` otherwise."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def release_device_memory() -> None:
+    """Collect garbage and hand cached CUDA blocks back, so the next system (or a server process) gets the
+    memory a finished one held."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def set_threads(n: int) -> None:
@@ -365,6 +396,11 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     tmp.replace(path)
     print(f"wrote {path}")
     return path
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How ``script`` (``bench/NAME.py``) was run, shell-quoted: ``argv``, else this process's arguments."""
+    return shlex.join([".venv/bin/python", script, *(sys.argv[1:] if argv is None else argv)])
 
 
 def log(msg: str) -> None:

@@ -19,7 +19,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,14 +107,18 @@ def generation_extras(profile: str, output_len: int) -> dict[str, Any]:
 
 
 def request_body(
-    endpoint: str, model: str | None, prompt: str, output_len: int, extras: dict[str, Any]
+    endpoint: str,
+    model: str | None,
+    prompt: str | list[int],
+    output_len: int,
+    extras: dict[str, Any],
+    stream: bool = True,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "max_tokens": output_len,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """A greedy generation request, streamed with usage in the last chunk unless ``stream`` is False; a
+    completions ``prompt`` may be a string or a list of token ids."""
+    body: dict[str, Any] = {"max_tokens": output_len, "temperature": 0.0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
     if endpoint == "completions":
@@ -224,6 +228,33 @@ async def stream_request(
     return res
 
 
+async def complete_request(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], keep_text: bool = False
+) -> RequestResult:
+    """Send one non-streamed request (``stream: false``) and read its usage: ``e2e`` is the whole request,
+    ``ttft`` stays None (there is no first chunk). Never raises for server or transport errors."""
+    res = RequestResult(sent=time.perf_counter())
+    try:
+        resp = await client.post(path, json=body)
+        res.status = resp.status_code
+        if resp.status_code != 200:
+            res.retry_after = resp.headers.get("retry-after")
+            res.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            return res
+        obj = resp.json()
+        res.e2e = time.perf_counter() - res.sent
+        res.finish_reason = _finish_reason(obj)
+        usage = obj.get("usage") or {}
+        res.prompt_tokens, res.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if keep_text:
+            res.text = _chunk_text(obj)
+        res.error = None if res.output_tokens is not None else "no usage in the response"
+        res.ok = res.error is None
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
 def make_client(base_url: str, timeout_s: float) -> httpx.AsyncClient:
     # No connection cap: open-loop arrivals must not queue in the client's pool.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -257,10 +288,12 @@ async def run_load(
     rate: float | None = None,
     seed: int = 0,
     on_done: Callable[[RequestResult], None] | None = None,
+    send: Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[RequestResult]] = stream_request,
 ) -> tuple[list[RequestResult], float]:
     """Send ``bodies`` with ``concurrency`` closed-loop workers, or open-loop at ``rate`` requests/s (Poisson;
-    ``concurrency`` then caps the requests in flight, None = no cap). Returns the results in body order and
-    the wall time from the first send to the last completion."""
+    ``concurrency`` then caps the requests in flight, None = no cap), each through ``send`` (streamed by
+    default; ``complete_request`` for non-streamed bodies). Returns the results in body order and the wall
+    time from the first send to the last completion."""
     if concurrency is None and rate is None:
         raise ValueError("give concurrency, rate, or both")
     if concurrency is not None and concurrency < 1:
@@ -271,9 +304,9 @@ async def run_load(
     async def one(i: int) -> None:
         if cap is not None:
             async with cap:
-                results[i] = await stream_request(client, path, bodies[i])
+                results[i] = await send(client, path, bodies[i])
         else:
-            results[i] = await stream_request(client, path, bodies[i])
+            results[i] = await send(client, path, bodies[i])
         if on_done is not None:
             on_done(results[i])
 
