@@ -14,9 +14,38 @@ except ImportError:  # the gateway/operator-only installs have no torch
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The one source of the engine tests' device: KVFLEET_TEST_DEVICE, "cpu" unless a GPU run asks for "cuda"
+# (or "cuda:N"; scripts/test-gpu.sh sets it). Tests read it through the ``test_device`` fixture and pass it
+# to ``LLM(device=...)`` explicitly: left to itself, ``device="auto"`` means CUDA (and bfloat16) on any GPU
+# machine. Tests of CPU-only code (oneDNN weight packs, the C kernels) pin "cpu" whatever it says.
+TEST_DEVICE_ENV = "KVFLEET_TEST_DEVICE"
+TEST_DEVICE = os.environ.get(TEST_DEVICE_ENV, "").strip().lower() or "cpu"
+
 # Tests never reach the Hugging Face Hub: models come from `demo_model` below.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A test device this machine cannot give is a usage error, not a run of skips or failures."""
+    name = TEST_DEVICE
+    if name == "cpu":
+        return
+    if name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise pytest.UsageError(f"{TEST_DEVICE_ENV}={name!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    count = torch.cuda.device_count() if _has_cuda else 0
+    index = int(name[5:]) if name.startswith("cuda:") else 0
+    if index >= count:
+        raise pytest.UsageError(
+            f"{TEST_DEVICE_ENV}={name!r} but torch sees {count} CUDA device(s)"
+            + ("" if _has_cuda else " (a CPU-only torch, or no driver)")
+        )
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """The device engine tests run on: ``"cpu"`` (default) or ``"cuda"``/``"cuda:N"`` from KVFLEET_TEST_DEVICE."""
+    return TEST_DEVICE
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""Weight loading: sharded checkpoints, dtype conversion, tied embeddings, the Triton path."""
+"""Weight loading: sharded checkpoints, dtype conversion, tied embeddings, the Triton path.
+
+Engines run on the test device (KVFLEET_TEST_DEVICE) with the dtype each test is about spelled out.
+"""
 
 from __future__ import annotations
 
@@ -17,40 +20,44 @@ def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_sharded_checkpoint_loads_identically(demo_model):
+def test_sharded_checkpoint_loads_identically(demo_model, test_device):
     single = demo_model(arch="mistral")
     sharded = demo_model(arch="mistral", shard_size=100_000)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert _tokens(LLM(sharded, use_tqdm=False)) == _tokens(LLM(single, use_tqdm=False))
+    kw = {"device": test_device, "dtype": "float32", "use_tqdm": False}
+    assert _tokens(LLM(sharded, **kw)) == _tokens(LLM(single, **kw))
 
 
-def test_tied_embeddings_share_one_tensor(demo_model):
-    llm = LLM(demo_model(arch="qwen2"), use_tqdm=False)
+def test_tied_embeddings_share_one_tensor(demo_model, test_device):
+    llm = LLM(demo_model(arch="qwen2"), device=test_device, use_tqdm=False)
     model = llm.engine.executor.worker.runner.model
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None  # Qwen2's q/k/v biases
 
 
-def test_bfloat16_checkpoint_upcast_matches_hf(demo_model):
-    from transformers import AutoModelForCausalLM
-
+def test_bfloat16_checkpoint_upcast_matches_hf(demo_model, test_device, hf_float32):
     path = demo_model(arch="llama", dtype="bfloat16")
-    ours = _tokens(LLM(path, dtype="float32", use_tqdm=False))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = _tokens(LLM(path, device=test_device, dtype="float32", use_tqdm=False))
+    hf = hf_float32(path)  # the bfloat16 checkpoint upcast, on the same device
+    assert hf.dtype == torch.float32
     for p, toks in zip(PROMPTS, ours):
-        ids = torch.tensor([p["prompt_token_ids"]])
+        ids = torch.tensor([p["prompt_token_ids"]], device=test_device)
         ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
         assert toks == ref[0, ids.shape[1] :].tolist()
 
 
-def test_bfloat16_compute_agrees_where_float32_is_confident(demo_model):
+def test_bfloat16_compute_agrees_where_float32_is_confident(demo_model, test_device):
     path = demo_model(arch="llama")
     prompts = [{"prompt_token_ids": [3 + (i * 37 + j * 11) % 4000 for j in range(12 + i)]} for i in range(16)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
-    fp32 = LLM(path, dtype="float32", use_tqdm=False).generate(prompts, params, use_tqdm=False)
-    bf16 = LLM(path, dtype="bfloat16", use_tqdm=False).generate(prompts, params, use_tqdm=False)
+    fp32 = LLM(path, device=test_device, dtype="float32", use_tqdm=False).generate(
+        prompts, params, use_tqdm=False
+    )
+    bf16 = LLM(path, device=test_device, dtype="bfloat16", use_tqdm=False).generate(
+        prompts, params, use_tqdm=False
+    )
     confident = 0
     for a, b in zip(fp32, bf16):
         entry = a.outputs[0].logprobs[0]
@@ -63,12 +70,14 @@ def test_bfloat16_compute_agrees_where_float32_is_confident(demo_model):
 
 
 @pytest.mark.triton
-def test_triton_attention_backend_matches_torch(demo_model):
-    pytest.importorskip("triton")
+def test_triton_attention_backend_matches_torch(demo_model, triton_device):
+    """Float32: the two backends' bfloat16 roundings may legitimately split a near-tie differently.
+    On the CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/engine/conftest.py)."""
     path = demo_model(arch="llama")
     prompts = [{"prompt_token_ids": list(range(3, 23))}, {"prompt_token_ids": list(range(50, 59))}]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    ref = _tokens(LLM(path, use_tqdm=False, attention_backend="torch"), prompts, params)
-    llm = LLM(path, use_tqdm=False, attention_backend="triton", max_num_batched_tokens=16)
+    kw = {"device": triton_device, "dtype": "float32", "use_tqdm": False}
+    ref = _tokens(LLM(path, attention_backend="torch", **kw), prompts, params)
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=16, **kw)
     assert _tokens(llm, prompts, params) == ref
     assert _tokens(llm, prompts, params) == ref  # prefix-cache hits through the Triton prefill kernel

@@ -2,6 +2,10 @@
 
 Each parallel engine is started once per configuration and reused (starting worker processes is
 the slow part). The reference is the single-process engine on the same float32 ``tiny`` model.
+
+Everything runs on the test device (KVFLEET_TEST_DEVICE): on the CPU every rank is a process on the
+same CPU (gloo); on CUDA every rank takes a GPU (NCCL), and a configuration with more ranks than the
+machine has GPUs is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -67,12 +71,12 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(demo_model):
+def reference(demo_model, test_device):
     cache: dict[str, list[list[int]]] = {}
 
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
-            llm = LLM(demo_model(arch=arch), use_tqdm=False, **ENGINE_ARGS)
+            llm = LLM(demo_model(arch=arch), device=test_device, use_tqdm=False, **ENGINE_ARGS)
             cache[arch] = _tokens(llm, _prompts())
             llm.shutdown()
         return cache[arch]
@@ -94,10 +98,12 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=CASES)
-def parallel(request, demo_model):
+def parallel(request, demo_model, test_device, require_gpus):
     arch, tp, pp = request.param
+    require_gpus(tp * pp)
     llm = LLM(
         demo_model(arch=arch),
+        device=test_device,
         use_tqdm=False,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -151,37 +157,65 @@ def test_abort_mid_generation_reaches_every_rank(parallel, reference):
     assert core.executor.collective_rpc("num_request_states") == [0] * core.executor.world_size
 
 
-def test_sleep_and_wake_on_every_rank(parallel, reference):
+def test_sleep_and_wake_on_every_rank(parallel, reference, on_cuda):
     arch, llm = parallel
     core = llm.engine
     if core.config.tensor_parallel_size * core.config.pipeline_parallel_size < 4:
         pytest.skip("exercised on the TP x PP configuration (every rank kind at once)")
-    full = core.executor.memory_report()
-    assert full["weight_packs"] > 0  # every rank packs its own shard (CPU, float32)
+    full = core.executor.memory_report()  # summed over the ranks
+    assert full["weights"] > 0 and full["kv_cache"] > 0
+    if on_cuda:
+        assert "weight_packs" not in full and full["torch_allocated"] >= full["weights"] + full["kv_cache"]
+    else:
+        assert full["weight_packs"] > 0  # every rank packs its own shard (CPU, float32)
     core.sleep(2)
-    assert core.executor.memory_report() == {"weights": 0, "kv_cache": 0, "weight_packs": 0}
+    asleep = core.executor.memory_report()
+    if on_cuda:
+        assert (asleep["weights"], asleep["kv_cache"]) == (0, 0)
+        # The allocators really gave the memory back (no reference left behind anywhere).
+        assert full["torch_allocated"] - asleep["torch_allocated"] >= full["weights"] + full["kv_cache"]
+    else:
+        assert asleep == {"weights": 0, "kv_cache": 0, "weight_packs": 0}
     core.wake_up()
-    assert core.executor.memory_report() == full
+    woke = core.executor.memory_report()
+    # torch_allocated also counts per-step leftovers and graph pools: only what sleep released must be back.
+    assert {k: woke[k] for k in full if k != "torch_allocated"} == {
+        k: v for k, v in full.items() if k != "torch_allocated"
+    }
     assert _tokens(llm, _prompts()) == reference(arch)
 
 
-def test_invalid_parallel_sizes_fail_at_start_up_with_the_reason(demo_model):
+def test_invalid_parallel_sizes_fail_at_start_up_with_the_reason(demo_model, test_device, on_cuda):
     path = demo_model(arch="llama")  # tiny: 4 heads, 2 KV heads, 4 layers
+    # What the model can be split by does not depend on the device: checked on the CPU, where any
+    # number of ranks is possible.
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
-        EngineConfig.create(path, tensor_parallel_size=3)
+        EngineConfig.create(path, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
-        EngineConfig.create(path, pipeline_parallel_size=5)
+        EngineConfig.create(path, device="cpu", pipeline_parallel_size=5)
     with pytest.raises(ValueError, match="positive integer"):
-        EngineConfig.create(path, tensor_parallel_size=0)
+        EngineConfig.create(path, device="cpu", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="need distributed_executor_backend='mp'"):
-        EngineConfig.create(path, tensor_parallel_size=2, distributed_executor_backend="uni")
-    cfg = EngineConfig.create(path, tensor_parallel_size=4, pipeline_parallel_size=4)
+        EngineConfig.create(path, device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni")
+    cfg = EngineConfig.create(path, device="cpu", tensor_parallel_size=4, pipeline_parallel_size=4)
     assert cfg.distributed_executor_backend == "mp"  # 2 KV heads replicated over 4 ranks is fine
+    if on_cuda:  # on CUDA every rank needs a GPU of its own
+        import torch
+
+        have = torch.cuda.device_count() - int(test_device.partition(":")[2] or 0)
+        if have < 16:
+            with pytest.raises(ValueError, match="needs 16 GPUs"):
+                EngineConfig.create(
+                    path, device=test_device, tensor_parallel_size=4, pipeline_parallel_size=4
+                )
 
 
-def test_killed_worker_fails_the_engine_fast_and_leaves_no_process(demo_model):
+def test_killed_worker_fails_the_engine_fast_and_leaves_no_process(demo_model, test_device, require_gpus):
+    require_gpus(2)
     failures: list[str] = []
-    llm = LLM(demo_model(arch="llama"), use_tqdm=False, tensor_parallel_size=2, **ENGINE_ARGS)
+    llm = LLM(
+        demo_model(arch="llama"), device=test_device, use_tqdm=False, tensor_parallel_size=2, **ENGINE_ARGS
+    )
     executor = llm.engine.executor
     executor.failure_callback = failures.append
     pids = list(executor.worker_pids)
@@ -213,7 +247,8 @@ _PARENT_SCRIPT = textwrap.dedent(
     from kvfleet_engine import LLM, SamplingParams
 
     if __name__ == "__main__":
-        llm = LLM(sys.argv[1], use_tqdm=False, pipeline_parallel_size=2, dtype="float32", max_model_len=512)
+        llm = LLM(sys.argv[1], device=sys.argv[2], use_tqdm=False, pipeline_parallel_size=2, dtype="float32",
+                  max_model_len=512)
         print("PIDS", *llm.engine.executor.worker_pids, flush=True)
         params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         while True:
@@ -222,11 +257,12 @@ _PARENT_SCRIPT = textwrap.dedent(
 )
 
 
-def test_killed_parent_takes_its_workers_with_it(demo_model, tmp_path):
+def test_killed_parent_takes_its_workers_with_it(demo_model, tmp_path, test_device, require_gpus):
+    require_gpus(2)
     script = tmp_path / "parent.py"
     script.write_text(_PARENT_SCRIPT)
     parent = subprocess.Popen(
-        [sys.executable, str(script), str(demo_model(arch="llama"))],
+        [sys.executable, str(script), str(demo_model(arch="llama")), test_device],
         stdout=subprocess.PIPE,
         text=True,
         cwd=tmp_path,

@@ -1,4 +1,7 @@
-"""oneDNN-prepacked matmul weights (layers/prepack.py) and the CPU worker's allocator settings."""
+"""oneDNN-prepacked matmul weights (layers/prepack.py) and the CPU worker's allocator settings.
+
+Both are CPU-only behaviour: every worker here is pinned to ``device="cpu"`` whatever the test device.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +60,9 @@ def _packable(model: torch.nn.Module) -> list[torch.nn.Module]:
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_worker_packs_every_matmul_weight_and_repacks_after_a_level2_wake(demo_model, arch):
-    cfg = EngineConfig.create(demo_model(arch=arch), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    cfg = EngineConfig.create(
+        demo_model(arch=arch), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+    )
     worker = Worker(cfg, use_tqdm=False)
     worker.initialize_kv_cache(worker.determine_num_kv_blocks())
     model = worker.runner.model
@@ -84,7 +89,9 @@ def test_worker_packs_every_matmul_weight_and_repacks_after_a_level2_wake(demo_m
 @needs_onednn
 def test_switched_off_the_worker_packs_nothing(demo_model, monkeypatch):
     monkeypatch.setenv(prepack.ENV_SWITCH, "off")
-    cfg = EngineConfig.create(demo_model(), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    cfg = EngineConfig.create(
+        demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+    )
     worker = Worker(cfg, use_tqdm=False)
     assert all(m.packed_weight is None for m in _packable(worker.runner.model))
     assert worker.memory_report()["weight_packs"] == 0
@@ -95,7 +102,9 @@ def test_switched_off_the_worker_packs_nothing(demo_model, monkeypatch):
 )
 def test_cpu_workers_tune_glibc_malloc_once(demo_model, monkeypatch):
     monkeypatch.setattr(host_allocator, "_tuned", False)  # earlier tests' workers tuned this process
-    cfg = EngineConfig.create(demo_model(), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    cfg = EngineConfig.create(
+        demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+    )
     Worker(cfg, use_tqdm=False)
     assert host_allocator._tuned  # a CPU worker applied the settings
     assert host_allocator.tune_host_allocator()  # and applying them again is a no-op

@@ -255,11 +255,11 @@ def test_bad_arguments_are_rejected_early(redis_server):
         pub.set_state("asleep")
 
 
-def test_real_engine_blocks_are_found_by_gateway_side_hashes(redis_server, reg, demo_model):
+def test_real_engine_blocks_are_found_by_gateway_side_hashes(redis_server, reg, demo_model, test_device):
     """The whole contract: the engine caches a prompt, the gateway hashes the same tokens and finds it."""
     from kvfleet_engine import LLM, SamplingParams
 
-    llm = LLM(demo_model(arch="llama"), use_tqdm=False, max_model_len=256, block_size=8)
+    llm = LLM(demo_model(arch="llama"), device=test_device, use_tqdm=False, max_model_len=256, block_size=8)
     pub = PresencePublisher(
         redis_server.url, name="llm-0", model=MODEL, base_url="http://llm-0:8000", block_size=8, max_model_len=256,
         stats=ReplicaStats, heartbeat_interval=0.1, ttl=2.0,

@@ -1,6 +1,15 @@
 """Sleep / wake of the worker: memory really released, outputs bit-identical after waking.
 
-Driven through ``EngineCore`` (scheduler + executor + worker) on the float32 ``tiny`` model.
+Driven through ``EngineCore`` (scheduler + executor + worker) on the float32 ``tiny`` model, on the test
+device (KVFLEET_TEST_DEVICE). What "released" means depends on the device, by design (worker.py):
+
+- KV cache: freed at both levels, everywhere.
+- Weights at level 1: on the CPU they already are host memory and stay put (their oneDNN packs too); on
+  CUDA they move to pinned host memory, so none are left on the GPU. At level 2 they are discarded
+  everywhere (and the CPU's packs with them), then re-read from the checkpoint on wake.
+- ``memory_report`` counts the device's storage: ``weight_packs`` on the CPU, ``torch_allocated`` (the
+  caching allocator's total) on CUDA. The allocator total also holds per-step leftovers and the decode
+  graphs' pool, so on CUDA it is checked for what sleep must give back, not compared for equality.
 """
 
 from __future__ import annotations
@@ -39,9 +48,11 @@ def _generate(core: EngineCore, prompts: list[list[int]], tag: str) -> list[list
     return [tokens[rid] for rid in ids]
 
 
-def _core(path, **kw) -> EngineCore:
+def _core(path, device: str, **kw) -> EngineCore:
     # Small chunks: prompts are prefilled over several steps (chunked prefill in the mix).
-    cfg = EngineConfig.create(path, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw)
+    cfg = EngineConfig.create(
+        path, device=device, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw
+    )
     return EngineCore(cfg, use_tqdm=False)
 
 
@@ -56,42 +67,75 @@ def _unique_bytes(module: torch.nn.Module) -> int:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def core(request, demo_model):
-    c = _core(demo_model(arch=request.param))
+def module_core(request, demo_model, test_device):
+    c = _core(demo_model(arch=request.param), test_device)
     yield c
     c.shutdown()
 
 
-def test_memory_report_counts_each_storage_once(core):
+@pytest.fixture
+def core(module_core):
+    yield module_core
+    # A test that failed between sleep and wake must not hand the next one a sleeping engine.
+    module_core.wake_up()
+    module_core.executor.wake_up(None)  # also what a test put to sleep behind the core's back
+
+
+def _device_part(report: dict[str, int]) -> dict[str, int]:
+    """What sleep/wake must restore exactly: everything but the CUDA allocator's running total."""
+    return {k: v for k, v in report.items() if k != "torch_allocated"}
+
+
+def test_memory_report_counts_each_storage_once(core, on_cuda):
     worker = core.executor.worker
     report = core.executor.memory_report()
     assert report["weights"] == _unique_bytes(worker.runner.model)
     assert report["kv_cache"] == core.num_kv_blocks * core.config.kv_bytes_per_block
+    if on_cuda:  # the allocator's total holds at least the weights and the KV cache
+        assert "weight_packs" not in report
+        assert report["torch_allocated"] >= report["weights"] + report["kv_cache"]
+    else:  # host memory: the oneDNN packs are counted apart, and there is no CUDA allocator
+        assert "weight_packs" in report and "torch_allocated" not in report
     if core.config.model.tie_word_embeddings:  # qwen2 tiny: the LM head is the embedding
         model = worker.runner.model
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_releases_memory_and_wake_gives_identical_greedy_outputs(core, level):
+def test_sleep_releases_memory_and_wake_gives_identical_greedy_outputs(core, level, on_cuda):
     prompts = _prompts()
     before = _generate(core, prompts, f"before{level}")
     full = core.executor.memory_report()
     assert full["kv_cache"] > 0 and full["weights"] > 0
+    worker = core.executor.worker
 
     core.sleep(level)
     asleep = core.executor.memory_report()
     assert asleep["kv_cache"] == 0
-    if level == 2:
+    if on_cuda:
+        # Level 1 moved the weights to pinned host memory, level 2 discarded them: none left on the GPU.
+        assert asleep["weights"] == 0
+        # And the allocator got it all back: no reference anywhere kept a weight or KV tensor alive.
+        assert full["torch_allocated"] - asleep["torch_allocated"] >= full["weights"] + full["kv_cache"]
+        if level == 1:  # every byte of the weights waits in page-locked host memory
+            host = list(worker._host_weights.values())
+            assert host and all(t.device.type == "cpu" and t.is_pinned() for t in host)
+            assert sum(t.untyped_storage().nbytes() for t in host) == full["weights"]
+    elif level == 1:  # CPU: the weights already are host memory, so level 1 keeps them (and their packs)
+        assert _device_part(asleep) == {**full, "kv_cache": 0}
+    else:
         assert asleep["weights"] == asleep["weight_packs"] == 0
-    else:  # CPU: the weights already are host memory, so level 1 keeps them where they are
-        assert asleep["weights"] == full["weights"]
     # The prefix cache went with the KV memory: every usable block is free and nothing is cached.
     kv = core.scheduler.kv
     assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
 
     core.wake_up()
-    assert core.executor.memory_report() == full
+    woke = core.executor.memory_report()
+    assert _device_part(woke) == _device_part(full)
+    if on_cuda:
+        assert woke["torch_allocated"] - asleep["torch_allocated"] >= full["weights"] + full["kv_cache"]
+    else:
+        assert woke == full
     after = _generate(core, prompts, f"after{level}")
     assert after == before
 
@@ -131,11 +175,11 @@ def test_worker_refuses_to_run_while_asleep_and_bad_arguments_are_clear(core):
     assert not worker.asleep and worker.sleep_level == 0
 
 
-def test_wake_after_level2_rereads_weights_that_match_the_checkpoint(demo_model):
+def test_wake_after_level2_rereads_weights_that_match_the_checkpoint(demo_model, test_device):
     from safetensors.torch import load_file
 
     path = demo_model(arch="mistral")
-    core = _core(path)
+    core = _core(path, test_device)
     try:
         core.sleep(2)
         core.wake_up(["weights"])
@@ -144,9 +188,10 @@ def test_wake_after_level2_rereads_weights_that_match_the_checkpoint(demo_model)
         for f in sorted(path.glob("*.safetensors")):
             ckpt.update(load_file(str(f)))
         layer = model.model.layers[0]
-        q = ckpt["model.layers.0.self_attn.q_proj.weight"]
-        assert torch.equal(layer.self_attn.qkv_proj.weight[: q.shape[0]], q)
-        assert torch.equal(layer.mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"])
+        assert layer.self_attn.qkv_proj.weight.device == torch.device(core.config.device)
+        q = ckpt["model.layers.0.self_attn.q_proj.weight"]  # the checkpoint is read on the CPU
+        assert torch.equal(layer.self_attn.qkv_proj.weight[: q.shape[0]].cpu(), q)
+        assert torch.equal(layer.mlp.down_proj.weight.cpu(), ckpt["model.layers.0.mlp.down_proj.weight"])
         core.wake_up(["kv_cache"])
         assert not core.is_sleeping
     finally:

@@ -1,4 +1,8 @@
-"""Triton paged attention kernels vs a naive torch reference (runs under TRITON_INTERPRET=1 on CPU)."""
+"""Triton paged attention kernels vs a naive torch reference.
+
+On the test device (KVFLEET_TEST_DEVICE): compiled kernels on CUDA, under ``TRITON_INTERPRET=1`` on the
+CPU (the ``triton_device`` fixture, tests/engine/conftest.py, skips a CPU run where Triton would compile).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,6 @@ pytest.importorskip("triton")
 from kvfleet_engine.ops import attention_triton as at  # noqa: E402
 
 pytestmark = pytest.mark.triton
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -51,9 +53,20 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 
 def make_batch(
-    q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, page_size=16, seed=0, extra_blocks=3
+    q_lens,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    page_size=16,
+    seed=0,
+    extra_blocks=3,
+    *,
+    device,
 ):
-    """Random q / paged KV cache with shuffled, non-contiguous block ids and padded block tables."""
+    """Random q / paged KV cache with shuffled, non-contiguous block ids and padded block tables, on ``device``
+    (built on the CPU first, so the values do not depend on the device)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(s / page_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
@@ -71,7 +84,7 @@ def make_batch(
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
-    to = lambda t: t.to(DEVICE)  # noqa: E731
+    to = lambda t: t.to(device)  # noqa: E731
     return to(q), to(k_cache), to(v_cache), to(qsl), to(sl), to(block_tables)
 
 
@@ -112,9 +125,11 @@ PREFILL_CASES = {
         ("chunk_after_prefix", 2, 2, 16, torch.float16),
     ],
 )
-def test_prefill_matches_reference(case, num_heads, num_kv_heads, head_dim, dtype):
+def test_prefill_matches_reference(case, num_heads, num_kv_heads, head_dim, dtype, triton_device):
     q_lens, seq_lens = PREFILL_CASES[case]
-    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype)
+    q, kc, vc, qsl, sl, bt = make_batch(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, device=triton_device
+    )
     scale = 1.0 / math.sqrt(head_dim)
     out = at.prefill_attention(q, kc, vc, qsl, sl, bt, scale)
     ref = reference_attention(q.cpu(), kc.cpu(), vc.cpu(), qsl.cpu(), sl.cpu(), bt.cpu(), scale)
@@ -123,20 +138,22 @@ def test_prefill_matches_reference(case, num_heads, num_kv_heads, head_dim, dtyp
 
 
 @pytest.mark.parametrize("page_size", [4, 32])
-def test_prefill_page_sizes(page_size):
+def test_prefill_page_sizes(page_size, triton_device):
     """KV tiles spanning several small pages, and pages larger than a KV tile."""
     q_lens, seq_lens = [1, 10, 26], [45, 10, 38]
     q, kc, vc, qsl, sl, bt = make_batch(
-        q_lens, seq_lens, 4, 2, 16, torch.float32, page_size=page_size, seed=2
+        q_lens, seq_lens, 4, 2, 16, torch.float32, page_size=page_size, seed=2, device=triton_device
     )
     out = at.prefill_attention(q, kc, vc, qsl, sl, bt, 0.25)
     ref = reference_attention(q.cpu(), kc.cpu(), vc.cpu(), qsl.cpu(), sl.cpu(), bt.cpu(), 0.25)
     _assert_close(out, ref, torch.float32)
 
 
-def test_prefill_writes_into_out_and_accepts_max_query_len():
+def test_prefill_writes_into_out_and_accepts_max_query_len(triton_device):
     q_lens, seq_lens = [5, 1, 9], [5, 17, 30]
-    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq_lens, 4, 2, 16, torch.float32, page_size=8, seed=3)
+    q, kc, vc, qsl, sl, bt = make_batch(
+        q_lens, seq_lens, 4, 2, 16, torch.float32, page_size=8, seed=3, device=triton_device
+    )
     out = torch.full_like(q, float("nan"))
     res = at.prefill_attention(q, kc, vc, qsl, sl, bt, 0.3, out=out, max_query_len=max(q_lens))
     assert res.data_ptr() == out.data_ptr()
@@ -144,9 +161,11 @@ def test_prefill_writes_into_out_and_accepts_max_query_len():
     _assert_close(out, ref, torch.float32)
 
 
-def test_prefill_empty_sequence_in_batch():
+def test_prefill_empty_sequence_in_batch(triton_device):
     """A sequence with no queries (q_len 0) contributes nothing and does not disturb its neighbours."""
-    q, kc, vc, qsl, sl, bt = make_batch([3, 4], [3, 20], 2, 1, 16, torch.float32, seed=5)
+    q, kc, vc, qsl, sl, bt = make_batch(
+        [3, 4], [3, 20], 2, 1, 16, torch.float32, seed=5, device=triton_device
+    )
     qsl = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=q.device)
     sl = torch.tensor([3, 9, 20], dtype=torch.int32, device=q.device)
     bt = torch.cat([bt[:1], bt[:1], bt[1:]], dim=0)
@@ -172,10 +191,10 @@ def test_prefill_empty_sequence_in_batch():
         (4, 1, 16, torch.bfloat16, 2),
     ],
 )
-def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, num_splits):
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, num_splits, triton_device):
     seq_lens = [1, 17, 40, 9]
     q, kc, vc, qsl, sl, bt = make_batch(
-        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=1
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=1, device=triton_device
     )
     scale = 1.0 / math.sqrt(head_dim)
     out = at.decode_attention(q, kc, vc, sl, bt, scale, num_splits=num_splits)
@@ -184,9 +203,11 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, num_
     _assert_close(out, ref, dtype)
 
 
-def test_decode_writes_into_out_and_agrees_with_prefill():
+def test_decode_writes_into_out_and_agrees_with_prefill(triton_device):
     seq_lens = [33, 5, 16]
-    q, kc, vc, qsl, sl, bt = make_batch([1] * 3, seq_lens, 4, 2, 32, torch.float32, page_size=8, seed=7)
+    q, kc, vc, qsl, sl, bt = make_batch(
+        [1] * 3, seq_lens, 4, 2, 32, torch.float32, page_size=8, seed=7, device=triton_device
+    )
     out = torch.full_like(q, float("nan"))
     res = at.decode_attention(q, kc, vc, sl, bt, 0.2, out=out)
     assert res.data_ptr() == out.data_ptr()
@@ -194,9 +215,9 @@ def test_decode_writes_into_out_and_agrees_with_prefill():
     torch.testing.assert_close(out, via_prefill, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_zero_length_sequence_gives_zeros():
+def test_decode_zero_length_sequence_gives_zeros(triton_device):
     """Padded batch slots (seq_len 0, as in captured CUDA graphs) must not produce NaNs."""
-    q, kc, vc, _, _, bt = make_batch([1, 1], [12, 12], 2, 1, 16, torch.float32, seed=9)
+    q, kc, vc, _, _, bt = make_batch([1, 1], [12, 12], 2, 1, 16, torch.float32, seed=9, device=triton_device)
     sl = torch.tensor([12, 0], dtype=torch.int32, device=q.device)
     for splits in (1, 2):
         out = at.decode_attention(q, kc, vc, sl, bt, 0.25, num_splits=splits)
@@ -220,16 +241,20 @@ def _torch_backend():
     return fn
 
 
-def test_kernels_match_torch_backend():
+def test_kernels_match_torch_backend(triton_device):
     paged_attention = _torch_backend()
     q_lens, seq_lens = [1, 6, 19], [24, 11, 19]
-    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq_lens, 4, 2, 16, torch.float32, seed=11)
+    q, kc, vc, qsl, sl, bt = make_batch(
+        q_lens, seq_lens, 4, 2, 16, torch.float32, seed=11, device=triton_device
+    )
     scale = 0.25
     expected = paged_attention(q, kc, vc, qsl, sl, bt, scale)
     out = at.prefill_attention(q, kc, vc, qsl, sl, bt, scale)
     torch.testing.assert_close(out, expected.to(out.dtype), atol=1e-4, rtol=1e-4)
 
-    dq, dkc, dvc, dqsl, dsl, dbt = make_batch([1, 1], [24, 7], 4, 2, 16, torch.float32, seed=12)
+    dq, dkc, dvc, dqsl, dsl, dbt = make_batch(
+        [1, 1], [24, 7], 4, 2, 16, torch.float32, seed=12, device=triton_device
+    )
     expected = paged_attention(dq, dkc, dvc, dqsl, dsl, dbt, scale)
     out = at.decode_attention(dq, dkc, dvc, dsl, dbt, scale)
     torch.testing.assert_close(out, expected.to(out.dtype), atol=1e-4, rtol=1e-4)
@@ -240,10 +265,10 @@ def test_kernels_match_torch_backend():
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_shape_errors():
-    q, kc, vc, qsl, sl, bt = make_batch([2], [2], 3, 2, 16, torch.float32)
+def test_shape_errors(triton_device):
+    q, kc, vc, qsl, sl, bt = make_batch([2], [2], 3, 2, 16, torch.float32, device=triton_device)
     with pytest.raises(ValueError):
         at.prefill_attention(q, kc, vc, qsl, sl, bt, 0.25)  # 3 heads do not divide into 2 kv heads
-    q, kc, vc, qsl, sl, bt = make_batch([1], [4], 2, 1, 16, torch.float32)
+    q, kc, vc, qsl, sl, bt = make_batch([1], [4], 2, 1, 16, torch.float32, device=triton_device)
     with pytest.raises(ValueError):
         at.decode_attention(q, kc, vc, sl, bt, 0.25, num_splits=3)
