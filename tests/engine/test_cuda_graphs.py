@@ -158,10 +158,10 @@ def test_sleep_releases_the_graphs_and_wake_captures_them_again(demo_model):
 
 
 @pytest.mark.triton
-def test_triton_decode_through_the_buffers_matches_eager(demo_model):
-    """The GPU's attention kernels (interpreted here) read the static block tables and context lengths."""
+def test_triton_decode_through_the_buffers_matches_eager(demo_model, triton_device):
+    """The GPU's attention kernels (interpreted on CPU) read the static block tables and context lengths."""
     path = demo_model()
-    kw = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4}
+    kw = {"device": triton_device, "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4}
     prompts = [{"prompt_token_ids": [5 + i, 9, 33 + 7 * i]} for i in range(3)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eager = _greedy(LLM(path, use_tqdm=False, attention_backend="triton", **kw).generate(prompts, params))
@@ -170,3 +170,27 @@ def test_triton_decode_through_the_buffers_matches_eager(demo_model):
     runner.use_decode_graphs(eager_capture)
     assert _greedy(llm.generate(prompts, params, use_tqdm=False)) == eager
     assert runner.graph_steps == 3  # every step after the prefill, in bucket 4 with one padding row
+
+
+def test_captured_cuda_graphs_give_the_eager_tokens(demo_model, test_device):
+    """On a GPU (KVFLEET_TEST_DEVICE=cuda): real capture and replay, float32, against ``enforce_eager``."""
+    if not test_device.startswith("cuda"):
+        pytest.skip("CUDA graphs need a GPU (KVFLEET_TEST_DEVICE=cuda)")
+    path = demo_model(arch="qwen2")
+    kw = {"device": test_device, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 12}
+    prompts = _prompts(11)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    eager_llm = LLM(path, use_tqdm=False, enforce_eager=True, **kw)
+    assert eager_llm.engine.executor.worker.runner.graphs is None
+    eager = _greedy(eager_llm.generate(prompts, params, use_tqdm=False))
+    del eager_llm
+    llm = LLM(path, use_tqdm=False, **kw)
+    runner = llm.engine.executor.worker.runner
+    assert runner.graphs is not None and runner.graphs.captured
+    assert _greedy(llm.generate(prompts, params, use_tqdm=False)) == eager
+    assert runner.graph_steps > 0
+    llm.sleep(1)
+    llm.wake_up()
+    steps = runner.graph_steps
+    assert _greedy(llm.generate(prompts, params, use_tqdm=False)) == eager
+    assert runner.graph_steps > steps

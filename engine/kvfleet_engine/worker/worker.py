@@ -155,6 +155,12 @@ class Worker:
             self.runner.prepack_weights()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            # The level-1 host copies were pinned: once copied back, hand their page-locked memory back
+            # to the OS instead of keeping a weights-sized block in torch's pinned-memory cache.
+            gc.collect()
+            empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
 
     def _release_cached_memory(self) -> None:
         gc.collect()
