@@ -34,6 +34,15 @@ starts a few tokens back (at the previous read offset) so that decoders whose ou
 depends on its neighbours (leading-space stripping, WordPiece ``##``) see the same context in both
 decodes, and it only moves forward to token boundaries after which the text can no longer change.
 
+**Byte-level shortcut.** A byte-level BPE decoder (GPT-2/Llama-3/Qwen style: ``decoders.ByteLevel``)
+maps each token to bytes and decodes their concatenation as UTF-8 with replacement; when a token's own
+bytes are complete UTF-8, the decode of any window ending in it is the decode of the window before it
+followed by the token's own text. So when the window is in its settled state (its committed text is
+exactly the decode of its ids, nothing held back) and one such token arrives, its cached text *is* the
+new text and the window moves on by one token, exactly as the full decode would have moved it: the
+usual decode step costs a dictionary lookup instead of a decode. Everything else takes the general
+path above.
+
 Notes: ``clean_up_tokenization_spaces`` is not applied (it rewrites text across token boundaries;
 transformers ignores it for BPE tokenizers anyway and vLLM does not apply it when streaming).
 ``spaces_between_special_tokens`` only means something to slow (pure-Python) tokenizers; fast ones
@@ -56,7 +65,9 @@ _RESYNC_AFTER_TOKENS = 16
 _RESYNC_CANDIDATES = 8
 
 # Per-tokenizer facts shared by all requests: single-token texts for decode_token() (logprobs), the
-# ids of special tokens (which skip_special_tokens drops), and of <0xHH> byte-fallback tokens.
+# ids of special tokens (which skip_special_tokens drops), of <0xHH> byte-fallback tokens, each
+# token's text decoded on its own with the detokenizer's options (one cache per option set), and
+# whether the decoder is byte-level (the shortcut in the module docstring).
 _tokenizer_info: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -82,7 +93,24 @@ def _compute_info(tokenizer: Any) -> dict[str, Any]:
             tid = backend.token_to_id(f"<0x{b:02X}>")
             if tid is not None:
                 byte_ids.add(tid)
-    return {"token_texts": {}, "special_ids": frozenset(special), "byte_ids": frozenset(byte_ids)}
+    return {
+        "token_texts": {},
+        "special_ids": frozenset(special),
+        "byte_ids": frozenset(byte_ids),
+        "token_strs": {},  # (skip_special_tokens, spaces_between_special_tokens) -> {token id: text}
+        "byte_level": _is_byte_level(backend),
+    }
+
+
+def _is_byte_level(backend: Any | None) -> bool:
+    """The backend's decoder is exactly ``decoders.ByteLevel`` (not a sequence that includes it)."""
+    if backend is None:
+        return False
+    try:
+        from tokenizers.decoders import ByteLevel
+    except ImportError:
+        return False
+    return isinstance(getattr(backend, "decoder", None), ByteLevel)
 
 
 def _backend_of(tokenizer: Any) -> Any | None:
@@ -98,7 +126,9 @@ def _make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between_speci
     gives, through the Rust backend where there is one (no Python-side overhead per call)."""
     backend = _backend_of(tokenizer)
     if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        decode = backend.decode
+        # Positional: a keyword argument costs the Rust binding a dict per call (this runs per token).
+        return lambda ids: decode(ids, skip_special_tokens)
     # A slow (pure-Python) transformers tokenizer: the only kind that knows this option.
     return lambda ids: tokenizer.decode(
         ids,
@@ -136,6 +166,10 @@ class _TextBuffer:
         end = self._len if end is None else end
         if start >= end:
             return ""
+        last = self._parts[-1]
+        last_start = self._len - len(last)
+        if start >= last_start:  # all in the last part: a streamed delta usually is
+            return last[start - last_start : end - last_start]
         pieces: list[str] = []
         pos = self._len  # offset just past the part being looked at
         for part in reversed(self._parts):
@@ -176,6 +210,11 @@ class IncrementalDetokenizer:
         )
         info = _info(tokenizer)
         self._token_texts: dict[int, str] = info["token_texts"]
+        # self._decode([id]), shared by the detokenizers with the same tokenizer and options.
+        self._token_strs: dict[int, str] = info["token_strs"].setdefault(
+            (params.skip_special_tokens, params.spaces_between_special_tokens), {}
+        )
+        self._byte_level: bool = info["byte_level"]
         # With skip_special_tokens the special ids are dropped before decoding (the decode is the
         # same): a skipped token must not be the one that starts the decode window, or a decoder
         # that treats the first token specially (drops its leading space) would pick the wrong one.
@@ -185,6 +224,9 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # The last ``longest stop - 1`` chars of the text checked so far: a match ending in new text
+        # starts at most that far back (so the check never reads the text buffer).
+        self._stop_tail = ""
         # Chars to hold back from streamed text: only needed when a match is cut out of the text.
         self._stop_buffer_len = (
             self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
@@ -204,6 +246,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._window_done = 0
+        # The window is settled: ids[_prefix_offset:_read_offset] decode to exactly _window_done chars
+        # (all committed). With nothing after _read_offset, that is the byte-level shortcut's start.
+        self._window_settled = False
         self._resync_after = _RESYNC_AFTER_TOKENS
 
     # ------------------------------------------------------------------ public API
@@ -221,21 +266,25 @@ class IncrementalDetokenizer:
         text, special or not), and the detokenizer finishes (see :meth:`flush`).
 
         After the detokenizer finished (stop string matched, or flushed) further tokens are ignored.
+
+        Called for every running sequence every step (usually with one token): the common path
+        makes at most one decode call (none with the byte-level shortcut) and copies nothing.
         """
         if self.finished:
             return None
-        new_token_ids = list(new_token_ids)
         self.output_token_ids.extend(new_token_ids)
         if stop_terminated and new_token_ids:
-            new_token_ids.pop()
-        if self._dropped_ids:
-            new_token_ids = [t for t in new_token_ids if t not in self._dropped_ids]
+            new_token_ids = new_token_ids[:-1]
+        dropped = self._dropped_ids
+        if dropped and not dropped.isdisjoint(new_token_ids):
+            new_token_ids = [t for t in new_token_ids if t not in dropped]
         if new_token_ids:
             self._decode_ids.extend(new_token_ids)
-            start = len(self._text)
-            self._text.append(self._decode_new())
-            if self._check_stop(start):
-                return self.stop_reason
+            new_text = self._decode_new()
+            if new_text:
+                self._text.append(new_text)
+                if self.stop and self._check_stop(new_text):
+                    return self.stop_reason
         if stop_terminated:
             self.flush()
         return self.stop_reason
@@ -249,10 +298,10 @@ class IncrementalDetokenizer:
         self.finished = True
         if self._read_offset < len(self._decode_ids):
             text = self._decode(self._decode_ids[self._prefix_offset :])
-            start = len(self._text)
-            self._text.append(text[self._window_done :])
+            new_text = text[self._window_done :]
+            self._text.append(new_text)
             self._window_done = len(text)
-            self._check_stop(start)
+            self._check_stop(new_text)
         return self.stop_reason
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
@@ -290,6 +339,13 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ internals
 
+    def _token_str(self, token_id: int) -> str:
+        """``self._decode([token_id])``, cached per tokenizer and decode options."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self._token_strs[token_id] = self._decode([token_id])
+        return text
+
     def _decode_new(self) -> str:
         """Decode the window after new ids were appended; return the newly committed text."""
         ids = self._decode_ids
@@ -304,14 +360,23 @@ class IncrementalDetokenizer:
             if group_start > self._read_offset:
                 return self._advance(group_start, self._decode(ids[self._prefix_offset : group_start]))
             return ""
+        if self._byte_level and self._window_settled and len(ids) == self._read_offset + 1:
+            # The byte-level shortcut (module docstring): one new token, of complete characters.
+            text = self._token_str(ids[-1])
+            if text and _REPLACEMENT not in text:
+                # What _advance(len(ids), <window text>) would do, without decoding the window.
+                self._prefix_offset, self._window_done = self._read_offset, len(text)
+                self._read_offset = len(ids)
+                return text
         text = self._decode(ids[self._prefix_offset :])
-        stable = len(text.rstrip(_REPLACEMENT))
-        if stable == len(text):  # ends on a whole character: all final
+        if not text.endswith(_REPLACEMENT):  # ends on a whole character: all final
             return self._advance(len(ids), text)
+        stable = len(text.rstrip(_REPLACEMENT))
         # Trailing U+FFFD: maybe an unfinished character. Commit the complete characters before it
         # (once decoded, a character is final: the decode goes left to right).
         new = text[self._window_done : stable]
         self._window_done = max(self._window_done, stable)
+        self._window_settled = False
         if len(ids) - self._read_offset > self._resync_after:
             new += self._resync(text)
         return new
@@ -321,14 +386,16 @@ class IncrementalDetokenizer:
         longer change): commit ``head`` and move the read offset to ``k``, and the window's start to
         the old read offset (the tokens since it are the context the next decodes start from).
         Returns the text committed."""
-        ids = self._decode_ids
-        new = head[self._window_done :]
-        overhang = max(self._window_done - len(head), 0)  # committed chars past head
-        context_len = len(self._decode(ids[self._read_offset : k]))
+        ids, read, done = self._decode_ids, self._read_offset, self._window_done
+        new = head[done:]
+        overhang = done - len(head) if done > len(head) else 0  # committed chars past head
+        # One token (the usual step): its text on its own is cached per tokenizer.
+        context_len = len(self._token_str(ids[read]) if k == read + 1 else self._decode(ids[read:k]))
         if context_len:
-            self._prefix_offset, self._window_done = self._read_offset, context_len + overhang
+            self._prefix_offset, self._window_done = read, context_len + overhang
         else:  # the ids since the last boundary have no text: no context to start a window with
-            self._window_done = max(self._window_done, len(head))
+            self._window_done = max(done, len(head))
+        self._window_settled = context_len > 0 and overhang == 0
         self._read_offset = k
         self._resync_after = _RESYNC_AFTER_TOKENS
         return new
@@ -347,18 +414,21 @@ class IncrementalDetokenizer:
         self._resync_after *= 2  # none found (e.g. a run of real U+FFFD): back off
         return ""
 
-    def _check_stop(self, new_text_start: int) -> bool:
-        """Look for stop strings ending in the text committed from ``new_text_start`` on. The match
-        ending first wins (ties: the longest). Cuts the text and finishes on a match."""
-        if not self.stop or len(self._text) <= new_text_start:
+    def _check_stop(self, new_text: str) -> bool:
+        """Look for stop strings ending in ``new_text``, just appended to the text. The match ending
+        first wins (ties: the longest). Cuts the text and finishes on a match."""
+        if not self.stop or not new_text:
             return False
-        search_start = max(new_text_start - (self._max_stop_len - 1), 0)
-        window = self._text.slice_from(search_start)
+        tail = self._stop_tail
+        window = tail + new_text  # the text from search_start on
+        search_start = len(self._text) - len(window)
+        keep = self._max_stop_len - 1
+        self._stop_tail = window[-keep:] if keep else ""
         best: tuple[int, int, str] | None = None  # (end, -len, stop)
         for s in self.stop:
             # The first occurrence that ends in the new text (one ending earlier would have been
             # found by an earlier call).
-            idx = window.find(s, max(new_text_start - search_start - len(s) + 1, 0))
+            idx = window.find(s, max(len(tail) - len(s) + 1, 0))
             if idx >= 0:
                 key = (idx + len(s), -len(s), s)
                 if best is None or key[:2] < best[:2]:

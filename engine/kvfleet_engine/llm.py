@@ -24,7 +24,8 @@ class LLM:
         """``engine_args`` are :meth:`EngineConfig.create`'s (vLLM's names): dtype, device, block_size,
         max_num_seqs, max_num_batched_tokens, max_model_len, num_kv_blocks, kv_cache_memory_bytes,
         gpu_memory_utilization, enable_prefix_caching, scheduling_policy, seed, attention_backend,
-        tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend ("uni" | "mp").
+        tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend ("uni" | "mp"),
+        enforce_eager (no CUDA graphs for decode steps).
         Unknown names raise TypeError."""
         self.config = EngineConfig.create(model=model, **engine_args)
         get_model_class(self.config.model)  # unsupported architecture: say so before anything loads

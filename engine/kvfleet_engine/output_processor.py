@@ -60,7 +60,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self.seq_to_request: dict[str, str] = {}
+        # Engine request id of each live sequence -> its request and sequence (one lookup per output).
+        self.live_seqs: dict[str, tuple[RequestState, SequenceState]] = {}
 
     def add_request(
         self,
@@ -79,9 +80,11 @@ class OutputProcessor:
             )
             for i, (seq_id, p) in enumerate(seqs.items())
         }
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, states, 0, len(states))
-        for seq_id in seqs:
-            self.seq_to_request[seq_id] = request_id
+        req = self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, states, 0, len(states)
+        )
+        for seq_id, seq in states.items():
+            self.live_seqs[seq_id] = (req, seq)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (finished RequestOutputs, sequence ids the core must stop because a stop string matched)."""
@@ -134,7 +137,11 @@ class OutputProcessor:
                     request_id=rid,
                     prompt=req.prompt,
                     prompt_token_ids=req.prompt_token_ids,
-                    outputs=sorted(per_req.values(), key=lambda c: c.index),
+                    outputs=(
+                        list(per_req.values())
+                        if len(per_req) == 1
+                        else sorted(per_req.values(), key=lambda c: c.index)
+                    ),
                     finished=req.num_unfinished == 0,
                     num_cached_tokens=req.num_cached_tokens,
                 )
@@ -145,36 +152,40 @@ class OutputProcessor:
         self, out: EngineCoreOutput, finished: list[RequestOutput], to_stop: list[str]
     ) -> tuple[RequestState, SequenceState, int] | None:
         """Fold one core output into its sequence; returns (request, sequence, index of its first new
-        logprob entry), or None when the output belongs to no live sequence."""
-        rid = self.seq_to_request.get(out.request_id)
-        if rid is None:
+        logprob entry), or None when the output belongs to no live sequence.
+
+        Runs for every running sequence every step: one dict lookup finds the sequence, and the
+        usual output (a token, no logprobs, not finishing) takes no other branch."""
+        live = self.live_seqs.get(out.request_id)
+        if live is None:
             return None
-        req = self.requests[rid]
-        seq = req.seqs[out.request_id]
+        req, seq = live
         if seq.finish_reason is not None:
             return None
-        first_new_logprob = len(seq.logprobs) if seq.logprobs is not None else 0
+        logprobs = seq.logprobs
+        first_new_logprob = len(logprobs) if logprobs is not None else 0
         if seq.index == 0:
             req.num_cached_tokens = out.num_cached_tokens
         seq.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and seq.logprobs is not None:
+        if out.new_logprobs is not None and logprobs is not None:
             for ids, lps, rank in out.new_logprobs:
-                seq.logprobs.append(self._logprob_dict(ids, lps, rank))
+                logprobs.append(self._logprob_dict(ids, lps, rank))
                 seq.cumulative_logprob += lps[0]
-        stop_str = seq.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        finish_reason = out.finish_reason
+        stop_str = seq.detok.update(out.new_token_ids, finish_reason == "stop")
         if stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
-            if not out.finished:
+            if finish_reason is None:
                 to_stop.append(out.request_id)
-        elif out.finished:
-            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        elif finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = finish_reason, out.stop_reason
             seq.detok.flush()
         if seq.finish_reason is not None:
-            self.seq_to_request.pop(out.request_id, None)
+            del self.live_seqs[out.request_id]
             req.num_unfinished -= 1
             if req.num_unfinished == 0:
                 finished.append(req.output())
-                del self.requests[rid]
+                del self.requests[req.request_id]
         return req, seq, first_new_logprob
 
     def abort_request(self, request_id: str) -> list[str]:
@@ -183,7 +194,7 @@ class OutputProcessor:
         if req is None:
             return []
         for seq_id in req.seqs:
-            self.seq_to_request.pop(seq_id, None)
+            self.live_seqs.pop(seq_id, None)
         return list(req.seqs)
 
     def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:

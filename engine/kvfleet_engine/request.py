@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from kvfleet_common.hashing import BlockHash, hash_blocks, root_hash
+from kvfleet_common.hashing import BlockHash, hash_block, hash_blocks, root_hash
 from kvfleet_engine.sampling_params import SamplingParams
 
 
@@ -20,13 +20,14 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status > _LAST_UNFINISHED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 
+_LAST_UNFINISHED = RequestStatus.PREEMPTED  # a module constant: enum attribute lookups are slow
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -89,21 +90,20 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        """Called once per generated token of every running request: kept lean (no property calls)."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
         # Keep full-block hashes current: the next block is hashed the moment it fills up.
-        n = len(self.block_hashes)
-        if self.num_tokens >= (n + 1) * self.block_size:
-            parent = self.block_hashes[-1] if n else self._hash_root
-            start = n * self.block_size
-            self.block_hashes.extend(
-                hash_blocks(
-                    self.all_token_ids[start : start + self.block_size], self.block_size, parent=parent
-                )
-            )
+        hashes, block_size = self.block_hashes, self.block_size
+        n = len(hashes)
+        if len(all_ids) >= (n + 1) * block_size:
+            parent = hashes[-1] if n else self._hash_root
+            start = n * block_size
+            hashes.append(hash_block(parent, all_ids[start : start + block_size]))
 
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > _LAST_UNFINISHED
 
     def __lt__(self, other: Request) -> bool:
         # Priority policy: lower value first, then earlier arrival (heap order).

@@ -39,10 +39,12 @@ class StepRates:
         if seconds <= 0 or sched.total_num_scheduled_tokens == 0:
             return
         decode = 0
+        get = requests.get
         for rid, n in sched.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            if n == 1 and req is not None and req.num_output_tokens > 0:
-                decode += 1
+            if n == 1:
+                req = get(rid)
+                if req is not None and req.num_output_tokens > 0:
+                    decode += 1
         prefill = sched.total_num_scheduled_tokens - decode
         total = prefill + decode
         if prefill:

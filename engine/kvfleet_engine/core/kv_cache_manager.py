@@ -90,10 +90,26 @@ class KVCacheManager:
 
         Returns the newly allocated blocks, or None (changing nothing) when there are not enough
         free blocks: the scheduler then preempts or stops admitting.
+
+        Called for every running request every step: the usual decode, whose token fits in the
+        blocks the request holds and fills no block that still has to be registered in the prefix
+        cache, returns at once.
         """
-        new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if (
+            req_blocks is not None
+            and not new_computed_blocks
+            and num_total <= len(req_blocks) * self.block_size
+            and (
+                not self.enable_caching
+                or num_total // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)
+            )
+        ):
+            return []
+        new_computed_blocks = new_computed_blocks or []
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
         num_required = -(-num_total // self.block_size)
         num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
         # Hit blocks nobody holds are in the free queue: touching them takes them out of it.

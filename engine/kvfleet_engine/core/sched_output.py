@@ -7,9 +7,16 @@ finished or were preempted, and how many tokens each scheduled request runs now.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvfleet_engine.sampling_params import SamplingParams
+
+# ``CachedRequestData.new_block_ids`` of the (usual) running request that needs no new block this step:
+# one shared immutable empty sequence, not a new list per request and step.
+NO_NEW_BLOCKS: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -23,10 +30,16 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass(slots=True)
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, gc=False):
+    """A running request scheduled again: the blocks it got since last step (often none:
+    ``NO_NEW_BLOCKS``; readers must not mutate it) and its ``num_computed_tokens`` before this step.
+
+    One is built per running request per step, so it is a compact struct the garbage collector does
+    not track (its fields hold no references back to it): hundreds of tracked objects alive at once
+    would set off a collection in the middle of every step."""
+
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: Sequence[int]
     num_computed_tokens: int
 
 

@@ -22,6 +22,7 @@ import msgspec
 
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
 from kvfleet_engine.core.sched_output import (
+    NO_NEW_BLOCKS,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -30,8 +31,12 @@ from kvfleet_engine.core.sched_output import (
 from kvfleet_engine.request import Request, RequestStatus
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request (new tokens since the last output)."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request (new tokens since the last output).
+
+    Not tracked by the garbage collector (``gc=False``: its fields never refer back to it): a step
+    builds one per running request, and hundreds of tracked objects alive at once would set off a
+    collection in the middle of every step."""
 
     request_id: str
     new_token_ids: list[int]
@@ -170,84 +175,93 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """One step's batch. Runs once per step over every running request, so the loop over them
+        is kept lean: a decode that fits in the blocks its request holds costs a few attribute reads,
+        one ``allocate_slots`` fast path and one ``CachedRequestData``. ``num_computed_tokens``
+        advances as each request is scheduled (``CachedRequestData`` carries the value from before)."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_ids: set[str] = set()
+        running, in_flight, kv = self.running, self.in_flight, self.kv
+        max_model_len = self.max_model_len
 
         # 1. Running requests, in order; preempt from the back when blocks run out.
         i = 0
-        share = len(self.running)
+        share = len(running)
         if self.pipeline_depth > 1:
-            share = -(-len(self.running) // self.pipeline_depth)
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < share:
-            req = self.running[i]
-            if req.request_id in self.in_flight:
+            share = -(-len(running) // self.pipeline_depth)
+        while i < len(running) and budget > 0 and len(num_scheduled) < share:
+            req = running[i]
+            if in_flight and req.request_id in in_flight:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Never feed a position at or past max_model_len.
-            n = min(n, self.max_model_len - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if n > budget:
+                n = budget
+            if computed + n > max_model_len:  # never feed a position at or past max_model_len
+                n = max_model_len - computed
             if n <= 0:
                 i += 1
                 continue
-            while True:
-                new_blocks = self.kv.allocate_slots(req, n)
-                if new_blocks is not None:
-                    break
+            while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim_index = self._pick_victim_index()
-                victim = self.running.pop(victim_index)
+                victim = running.pop(victim_index)
+                # Priority policy may pick one already scheduled this step: undo its schedule (its
+                # blocks past the tokens computed before this step must be freed as never written).
+                undone = num_scheduled.pop(victim.request_id, 0)
+                victim.num_computed_tokens -= undone
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
                 if victim is req:
                     break
                 if victim_index < i:
-                    # Priority policy may pick one already scheduled this step: undo its schedule.
-                    budget += num_scheduled.pop(victim.request_id, 0)
+                    budget += undone
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
             if new_blocks is None:
                 break  # req itself was preempted: nothing after it can fit either
             cached_reqs.append(
-                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+                CachedRequestData(
+                    req.request_id,
+                    [b.block_id for b in new_blocks] if new_blocks else NO_NEW_BLOCKS,
+                    computed,
+                )
             )
+            req.num_computed_tokens = computed + n
             num_scheduled[req.request_id] = n
             budget -= n
             i += 1
 
         # 2. Waiting requests, unless this step already had to preempt (no room for new work).
-        while (
-            not preempted_ids and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
+        while not preempted_ids and len(self.waiting) and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            new_blocks = self.kv.allocate_slots(req, n, hit_blocks, num_hit)
+            new_blocks = kv.allocate_slots(req, n, hit_blocks, num_hit)
             if new_blocks is None:
                 break
             self.waiting.pop()
-            req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-                self.kv.record_hit(req.num_tokens, num_hit)
+                kv.record_hit(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            running.append(req)
             new_reqs.append(
                 NewRequestData(
                     req_id=req.request_id,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids),
                     sampling_params=req.sampling_params,
-                    block_ids=self.kv.get_block_ids(req.request_id),
+                    block_ids=kv.get_block_ids(req.request_id),
                     num_computed_tokens=num_hit,
                 )
             )
+            req.num_computed_tokens = num_hit + n
             num_scheduled[req.request_id] = n
             budget -= n
-
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -288,54 +302,68 @@ class Scheduler:
         whole burst, in every process, on its time to first token; a finishing request was early only when
         it was among the oldest. A mid-stream token's place in the burst hardly matters: a stream keeps
         about the same place step after step, so its tokens stay a step apart.
+
+        A request in ``self.requests`` is never finished (finishing frees it), so it finishes here
+        exactly when a stop condition hits; finished ones leave ``running`` together after the loop.
         """
         firsts: list[EngineCoreOutput] = []
         finished: list[EngineCoreOutput] = []
         outputs: list[EngineCoreOutput] = []
+        done: list[Request] = []
+        requests, check_stop = self.requests, self._check_stop
+        logprobs = runner_out.logprobs
         for idx, (rid, tokens) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None or not tokens:
                 continue  # aborted meanwhile, or a partial prefill chunk (nothing sampled)
             new_logprobs = None
-            if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
+            if logprobs is not None and req.sampling_params.logprobs is not None:
                 k = 1 + req.sampling_params.logprobs
                 new_logprobs = [
-                    (
-                        runner_out.logprob_token_ids[idx][:k],
-                        runner_out.logprobs[idx][:k],
-                        runner_out.sampled_ranks[idx],
-                    )
+                    (runner_out.logprob_token_ids[idx][:k], logprobs[idx][:k], runner_out.sampled_ranks[idx])
                 ]
-            first = req.num_output_tokens == 0
+            first = not req.output_token_ids
+            stopped = False
             for tok in tokens:
                 req.append_output_token(tok)
-                if self._check_stop(req, tok):
+                if check_stop(req, tok):
+                    stopped = True
                     break
+            num_cached = req.num_cached_tokens
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=tokens,
                 new_logprobs=new_logprobs,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_cached_tokens=num_cached if num_cached > 0 else 0,
             )
-            if req.is_finished():
+            if stopped:
                 out.finish_reason = RequestStatus.finish_reason(req.status)
                 out.stop_reason = req.stop_reason
-                self.running.remove(req)
                 self._free(req)
-            (firsts if first else finished if out.finish_reason is not None else outputs).append(out)
+                done.append(req)
+            (firsts if first else finished if stopped else outputs).append(out)
+        if done:
+            self._remove_running(done)
         self.kv.block_pool.flush_events()
         return firsts + finished + outputs
 
+    def _remove_running(self, done: list[Request]) -> None:
+        if len(done) == 1:
+            self.running.remove(done[0])
+        else:  # one pass, not one list.remove per request
+            gone = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in gone]
+
     def _check_stop(self, req: Request, token: int) -> bool:
         # Length first, as vLLM does: EOS as the last allowed token still reports "length".
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        num_output = len(req.output_token_ids)
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        params = req.sampling_params
-        if token in req.stop_token_ids and req.num_output_tokens >= params.min_tokens:
+        if token in req.stop_token_ids and num_output >= req.sampling_params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             # EOS ends a request without a stop_reason (as in vLLM); a user stop id is reported.
-            if token in params.all_stop_token_ids:
+            if token in req.sampling_params.all_stop_token_ids:
                 req.stop_reason = token
             return True
         return False
