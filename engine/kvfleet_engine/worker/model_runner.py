@@ -358,7 +358,7 @@ class ModelRunner:
             sampled_lists = [[t] if c else [] for t, c in zip(sampled.tolist(), completes.tolist())]
         if self.append_sampled:
             batch.append_tokens(rows, sampled[rows])
-        result = ModelRunnerOutput([batch.req_ids[i] for i in range(n)], sampled_lists)
+        result = ModelRunnerOutput(batch.req_ids[:n], sampled_lists)
         if out.logprobs is not None:
             result.logprob_token_ids = out.logprobs.token_ids.tolist()
             result.logprobs = out.logprobs.logprobs.tolist()
