@@ -1,6 +1,7 @@
 """`kvfleet operator`: run the operator, or print what it would install/create.
 
-kvfleet operator [--redis-url URL] [--namespace NS ...] [--engine-image IMG] ...   run (kopf)
+kvfleet operator [--redis-url URL] [--namespace NS ...] [--engine-image IMG] ...   run (kopf; needs the
+                                                    peering object the chart creates, or --standalone)
 kvfleet operator crds [--out DIR]                  the CRD YAML (what crds/ and the chart hold)
 kvfleet operator render -f MODEL.yaml [...]         the objects an InferenceModel would own
 """
@@ -8,6 +9,7 @@ kvfleet operator render -f MODEL.yaml [...]         the objects an InferenceMode
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -76,6 +78,30 @@ def _config_args(p: argparse.ArgumentParser) -> None:
         help="OTLP/HTTP endpoint engine pods export traces to (their OTEL_EXPORTER_OTLP_ENDPOINT); "
         "env KVFLEET_OTLP_ENDPOINT; empty: none",
     )
+    p.add_argument(
+        "--engine-network-policy",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.engine_network_policy,
+        help="give every model a NetworkPolicy: its engine pods accept traffic only from pods labelled "
+        "kvfleet.io/engine-client=true in --operator-namespace (and --engine-ingress-from)",
+    )
+    p.add_argument(
+        "--engine-ingress-from",
+        type=_peers,
+        default=(),
+        metavar="JSON",
+        help="extra peers of that NetworkPolicy: a JSON list of core/v1 NetworkPolicyPeer objects",
+    )
+
+
+def _peers(text: str) -> tuple[dict, ...]:
+    try:
+        peers = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise argparse.ArgumentTypeError("expected a JSON list of NetworkPolicyPeer objects")
+    return tuple(peers)
 
 
 def config_from(args: argparse.Namespace) -> OperatorConfig:
@@ -88,6 +114,8 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         gpu_resource=args.gpu_resource,
         shm_size=args.shm_size,
         otlp_endpoint=args.otlp_endpoint,
+        engine_network_policy=args.engine_network_policy,
+        engine_ingress_from=args.engine_ingress_from,
     )
 
 
@@ -121,11 +149,24 @@ def _render_main(argv: list[str]) -> int:
     return 0
 
 
-def _run_main(argv: list[str]) -> int:
+RUN_EPILOG = """\
+Peering: unless --standalone, the operator acts only through a kopf peering object (ClusterKopfPeering
+NAME, or a KopfPeering NAME in each --namespace) and waits without acting while it is missing. The Helm
+chart creates it; by hand, create it, e.g.
+  echo '{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvfleet"}}' \\
+    | kubectl apply -f -
+(the kopf.dev CRDs are in crds/), or run a single operator with --standalone.
+
+sub-commands: `kvfleet operator crds`, `kvfleet operator render -f FILE`"""
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """The parser of `kvfleet operator` (running it); the chart's operator arguments must parse with it."""
     p = argparse.ArgumentParser(
         prog="kvfleet operator",
         description="run the kvfleet operator (kopf) against the current kubeconfig or in-cluster config",
-        epilog="sub-commands: `kvfleet operator crds`, `kvfleet operator render -f FILE`",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _config_args(p)
     p.add_argument(
@@ -135,9 +176,13 @@ def _run_main(argv: list[str]) -> int:
         help="watch InferenceModels in this namespace (repeatable, globs allowed); default: all namespaces",
     )
     p.add_argument(
-        "--peering", default="kvfleet", help="kopf peering object: replicas sharing it never both act"
+        "--peering",
+        default="kvfleet",
+        help="name of the kopf peering object (it must exist: see below); replicas sharing it never both act",
     )
-    p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    p.add_argument(
+        "--standalone", action="store_true", help="no peering object needed (run a single replica only)"
+    )
     p.add_argument(
         "--priority",
         type=int,
@@ -156,7 +201,11 @@ def _run_main(argv: list[str]) -> int:
     p.add_argument(
         "--server", default=None, help="Kubernetes API URL without auth (testing; else kubeconfig)"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _run_main(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
 
     from kvfleet_operator.runner import run_operator
 

@@ -10,6 +10,7 @@ evaluate CEL but the test emulator and `jsonschema` do not.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 GROUP = "kvfleet.io"
@@ -29,6 +30,61 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
 # Model and tenant names as the Redis contract accepts them (kvfleet_common.redis_keys.check_name).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/@+=-]*$"
+# A positive whole number of bytes (``1073741824``, ``1e9``) or a positive quantity with a unit (``8Gi``,
+# ``1.5G``): no sign, no milli unit, no bare fraction, not zero. A fraction of a byte left by a unit
+# (``1.3Ki``) rounds up, as Kubernetes rounds quantities. `validation.parse_bytes` reads the same set.
+BYTES_PATTERN = (
+    r"^(0*[1-9][0-9]*([eE][0-9]+)?"  # a whole number, not 0
+    r"|(0*[1-9][0-9]*|[0-9]*[1-9][0-9]*\.[0-9]*|[0-9]*\.[0-9]*[1-9][0-9]*)"  # a number with a nonzero digit
+    r"([KMGTPE]i|[kMGTPE]))$"  # ... and a unit
+)
+# DNS-1123 names, as Kubernetes requires them of namespaces (a label) and Secrets (a subdomain).
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# InferenceModel names: its Service takes the name (a DNS-1035 label), and the pods of its Deployment
+# append up to 17 characters of hashes to it.
+MAX_MODEL_NAME = 46
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MODEL_NAME_MESSAGE = (
+    f"metadata.name must be a DNS-1035 label of at most {MAX_MODEL_NAME} characters (lower-case letters, "
+    "digits and '-', starting with a letter): it names the model's Service and Deployment"
+)
+# Every flag of `kvfleet engine serve` that the operator sets (`manifests.engine_args`, and the environment
+# it passes the Redis URL, admin token, replica name and base URL in): spec.engine.extraArgs may not set
+# one, nor an abbreviation argparse would expand to one (`--tensor-parallel 4`, `-t 4`).
+MANAGED_ENGINE_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--dtype",
+    "--device",
+    "--block-size",
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--scheduling-policy",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--seed",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enforce-eager",
+    "--shutdown-timeout",
+    "--redis-url",
+    "--admin-token",
+    "--replica-name",
+    "--base-url",
+)
+EXTRA_ARGS_MESSAGE = (
+    "extraArgs may not set a flag the operator sets from the spec, nor an abbreviation of one: "
+    + ", ".join(MANAGED_ENGINE_FLAGS)
+)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ACCELERATORS = ("nvidia", "cpu")
 PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "ScaledToZero", "Degraded", "Failed")
@@ -62,15 +118,47 @@ def _quantity(description: str) -> dict:
     }
 
 
+def _byte_quantity(description: str) -> dict:
+    """A positive number of bytes as a Kubernetes quantity (``8Gi``) or an integer."""
+    return {**_quantity(description), "pattern": BYTES_PATTERN, "minimum": 1}
+
+
+def _prefix_regex(words: list[str]) -> str:
+    """RE2 matching every non-empty prefix of ``words``: a trie, so shared prefixes are written once."""
+    trie: dict = {}
+    for word in words:
+        assert re.fullmatch(r"[a-z0-9-]+", word), word
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+
+    def render(node: dict) -> str:
+        # Flags are letters, digits and '-': nothing to escape (and CEL strings take no '\\-').
+        alternatives = [ch + (f"({render(child)})?" if child else "") for ch, child in node.items()]
+        return alternatives[0] if len(alternatives) == 1 else "(" + "|".join(alternatives) + ")"
+
+    return render(trie)
+
+
+def managed_flag_regex() -> str:
+    """An engine argument that sets a flag of MANAGED_ENGINE_FLAGS, as argparse reads it: the flag or a
+    prefix of it (argparse expands unique prefixes), alone or with ``=value``; a short option may also
+    carry its value joined (``-tp4``)."""
+    long = [f[2:] for f in MANAGED_ENGINE_FLAGS if f.startswith("--")]
+    short = [f[1:] for f in MANAGED_ENGINE_FLAGS if not f.startswith("--")]
+    return f"^(--{_prefix_regex(long)}(=.*)?|-{_prefix_regex(short)}(=.*)?|-({'|'.join(short)}).+)$"
+
+
 def _free_object(description: str) -> dict:
     """An object whose schema belongs to Kubernetes core types (kept as-is, validated by the API server
     when the operator copies it into a pod)."""
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
-def _resource_schema(spec: dict, status: dict) -> dict:
-    """The top-level openAPIV3Schema of a custom resource with a required spec and a status."""
-    return {
+def _resource_schema(spec: dict, status: dict, validations: list[dict] | None = None) -> dict:
+    """The top-level openAPIV3Schema of a custom resource with a required spec and a status; root
+    ``validations`` may read ``self.metadata.name``."""
+    schema: dict[str, Any] = {
         "type": "object",
         "required": ["spec"],
         "properties": {
@@ -81,6 +169,9 @@ def _resource_schema(spec: dict, status: dict) -> dict:
             "status": status,
         },
     }
+    if validations:
+        schema["x-kubernetes-validations"] = validations
+    return schema
 
 
 def _conditions_schema() -> dict:
@@ -122,8 +213,9 @@ def _engine_schema() -> dict:
             "maxNumSeqs": _int(1, 65536, description="Most sequences in one scheduler step."),
             "maxNumBatchedTokens": _int(1, description="Token budget of one scheduler step."),
             "blockSize": _int(1, 256, 16, description="Tokens per KV-cache block (the prefix-cache unit)."),
-            "kvCacheMemory": _quantity(
-                "KV-cache size as a quantity (e.g. 8Gi); excludes gpuMemoryUtilization."
+            "kvCacheMemory": _byte_quantity(
+                "KV-cache size: a positive quantity (e.g. 8Gi) or a number of bytes; excludes "
+                "gpuMemoryUtilization."
             ),
             "gpuMemoryUtilization": {
                 "type": "number",
@@ -141,9 +233,16 @@ def _engine_schema() -> dict:
             "seed": _int(0, description="Sampling seed of the engine."),
             "extraArgs": {
                 "type": "array",
-                "description": "Appended verbatim to the engine's command line.",
+                "description": "Appended verbatim to the engine's command line; flags the operator sets "
+                "from the spec are refused.",
                 "maxItems": 64,
-                "items": {"type": "string", "maxLength": 1024},
+                "items": {
+                    "type": "string",
+                    "maxLength": 1024,
+                    "x-kubernetes-validations": [
+                        {"rule": f"!self.matches('{managed_flag_regex()}')", "message": EXTRA_ARGS_MESSAGE}
+                    ],
+                },
             },
             "env": {
                 "type": "array",
@@ -285,7 +384,12 @@ def inference_model_schema() -> dict:
             "conditions": _conditions_schema(),
         },
     }
-    return _resource_schema(spec, status)
+    name_rule = {
+        "rule": f"size(self.metadata.name) <= {MAX_MODEL_NAME} "
+        f"&& self.metadata.name.matches('{DNS_1035_LABEL}')",
+        "message": MODEL_NAME_MESSAGE,
+    }
+    return _resource_schema(spec, status, [name_rule])
 
 
 def tenant_schema() -> dict:
@@ -299,9 +403,22 @@ def tenant_schema() -> dict:
                 "required": ["name"],
                 "description": "The Secret holding the tenant's API key; only its SHA-256 reaches Redis.",
                 "properties": {
-                    "name": _str("Secret name.", minLength=1, maxLength=253),
-                    "namespace": _str("Secret namespace (default: the operator's namespace).", maxLength=63),
-                    "key": _str("Key inside the Secret.", default="apiKey", minLength=1, maxLength=253),
+                    "name": _str("Secret name.", minLength=1, maxLength=253, pattern=DNS_1123_SUBDOMAIN),
+                    "namespace": _str(
+                        "Secret namespace (default: the operator's namespace); the operator must be allowed "
+                        "to read Secrets there (the Helm chart: the release namespace and "
+                        "operator.tenantSecretNamespaces).",
+                        minLength=1,
+                        maxLength=63,
+                        pattern=DNS_1123_LABEL,
+                    ),
+                    "key": _str(
+                        "Key inside the Secret.",
+                        default="apiKey",
+                        minLength=1,
+                        maxLength=253,
+                        pattern=SECRET_KEY_PATTERN,
+                    ),
                 },
             },
             "models": {

@@ -12,18 +12,25 @@ What each resource gets:
   not watched (kopf filters labels client-side, so it would stream every pod of the cluster): the status
   refresh lists the model's pods by label, on Deployment events and on the timer.
 - Tenant: create/update/resume and a timer -> record + hashed key in Redis; delete (finalizer) -> removed.
+  A key Secret the operator may not read (403) fails the Tenant for good (status Failed, reason
+  SecretForbidden): only the periodic resync looks again, in case access was granted since.
+- Peering: with mandatory peering kopf waits, silently, for the peering object; `watch_peering` says so in
+  the log until the object exists (it is the Helm chart that creates it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import httpx
 import kopf
 import redis.exceptions
@@ -48,6 +55,10 @@ RETRY_DELAY = 15.0
 POD_STOP_POLL_S = 2.0
 POD_STOP_MARGIN_S = 60  # beyond the grace period, waiting for a model's pods to go
 SECRET_RETRY_DELAY = 30.0
+PEERING_CHECK_INTERVAL = 60.0
+# Tenant failures that only a change of the Tenant or of the operator's permissions can mend.
+PERMANENT_TENANT_FAILURES = frozenset({"SecretForbidden"})
+PEERING_LOGGER = logging.getLogger("kvfleet_operator.peering")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,8 @@ class RuntimeOptions:
     idle_check_seconds: float = 30.0
     resync_seconds: float = 60.0
     sleep_request_timeout: float = 30.0
+    peering: str | None = None  # the kopf peering object's name; None: standalone
+    peering_namespaces: tuple[str, ...] = ()  # where its KopfPeerings are; empty: a ClusterKopfPeering
 
 
 class OperatorMemo(kopf.Memo):
@@ -142,6 +155,57 @@ def api_key_from_secret(secret: dict[str, Any], key: str) -> str | None:
     return value.strip() if isinstance(value, str) else None
 
 
+def peering_paths(options: RuntimeOptions) -> dict[str, str]:
+    """Description -> REST path of each peering object the operator waits for (namespace globs skipped)."""
+    if options.peering is None:
+        return {}
+    if not options.peering_namespaces:
+        path = object_path("kopf.dev/v1", "ClusterKopfPeering", None, options.peering)
+        return {f"ClusterKopfPeering {options.peering!r}": path}
+    return {
+        f"KopfPeering {options.peering!r} in namespace {ns!r}": object_path(
+            "kopf.dev/v1", "KopfPeering", ns, options.peering
+        )
+        for ns in options.peering_namespaces
+        if not any(c in ns for c in "*?![]")
+    }
+
+
+def peering_missing_message(options: RuntimeOptions, missing: list[str]) -> str:
+    namespaced = bool(options.peering_namespaces)
+    kind = "KopfPeering" if namespaced else "ClusterKopfPeering"
+    example = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": options.peering}}
+    return (
+        f"waiting for the kopf peering object ({'; '.join(missing)}): this operator does nothing until it "
+        "exists. The Helm chart creates it. Running by hand, either create it (the kopf.dev CRDs are in "
+        f"crds/kopf-*.yaml): echo '{json.dumps(example)}' | kubectl apply "
+        + ("-n NAMESPACE " if namespaced else "")
+        + "-f -   or run a single operator with --standalone."
+    )
+
+
+async def watch_peering(memo: OperatorMemo) -> None:
+    """Log a warning every PEERING_CHECK_INTERVAL while a peering object is missing; return once all exist."""
+    paths = peering_paths(memo.options)
+    warned = False
+    while paths:
+        missing: list[str] = []
+        for what, path in paths.items():
+            try:
+                if await _kube(memo).get(path) is None:
+                    missing.append(what)
+            except (KubeError, kopf.TemporaryError, aiohttp.ClientError, OSError, TimeoutError) as e:
+                # e.g. a 403 or an unreachable API server: kopf reports those itself
+                PEERING_LOGGER.debug("cannot check %s: %s", what, e)
+        if not missing:
+            if warned:
+                PEERING_LOGGER.info("peering object found: %s", "; ".join(paths))
+            return
+        PEERING_LOGGER.warning(peering_missing_message(memo.options, missing))
+        warned = True
+        await asyncio.sleep(PEERING_CHECK_INTERVAL)
+
+
 def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     model_resource = (crds.GROUP, crds.VERSION, crds.MODEL_PLURAL)
@@ -150,7 +214,9 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
     # ---- activities ----------------------------------------------------------------------------------
 
     @kopf.on.login(registry=registry)
-    def login(memo: OperatorMemo, logger: logging.Logger, settings: kopf.OperatorSettings, **kwargs: Any):
+    async def login(
+        memo: OperatorMemo, logger: logging.Logger, settings: kopf.OperatorSettings, **kwargs: Any
+    ):
         if memo.options.server:
             info = kopf.ConnectionInfo(server=memo.options.server, insecure=True, default_namespace="default")
         else:
@@ -160,11 +226,15 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
                 or kopf.login_with_kubeconfig(settings=settings, logger=logger, **kwargs)
             )
         memo.connection = info
+        if memo.options.peering is not None and "peering_watch" not in memo.clients:
+            memo.clients["peering_watch"] = asyncio.get_running_loop().create_task(watch_peering(memo))
         return info
 
     @kopf.on.cleanup(registry=registry)
     async def close_clients(memo: OperatorMemo, **_: Any) -> None:
         clients = memo.clients
+        if clients.get("peering_watch") is not None:
+            clients.pop("peering_watch").cancel()
         if clients.get("kube") is not None:
             await clients.pop("kube").close()
         if clients.get("registry") is not None:
@@ -439,8 +509,20 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         except SpecError as e:
             await tenant_failed(body, memo, "InvalidSpec", str(e))
             raise kopf.PermanentError(f"invalid spec: {e}") from e
-        secret = await _kube(memo).get(object_path("v1", "Secret", spec.secret_namespace, spec.secret_name))
         where = f"Secret {spec.secret_namespace}/{spec.secret_name}"
+        try:
+            secret = await _kube(memo).get(
+                object_path("v1", "Secret", spec.secret_namespace, spec.secret_name)
+            )
+        except KubeError as e:
+            if e.status == 403:
+                return "SecretForbidden", (
+                    f"the operator may not read {where} (HTTP 403): it reads Tenant key Secrets only in "
+                    "the namespaces its RBAC allows (with the Helm chart: the release namespace and "
+                    "operator.tenantSecretNamespaces). Move the Secret or grant access; the periodic "
+                    "resync checks again"
+                )
+            raise kopf.TemporaryError(f"reading {where} failed: {e}", delay=RETRY_DELAY) from e
         if secret is None:
             return "SecretNotFound", f"{where} does not exist"
         api_key = api_key_from_secret(secret, spec.secret_key)
@@ -449,7 +531,7 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         key_hash = hashlib.sha256(api_key.encode()).hexdigest()
         registry_ = _registry(memo)
         try:
-            await registry_.put_tenant(tenant_record(spec))
+            await registry_.upsert_tenant(tenant_record(spec))  # the resource is the truth: create or replace
             key_id = await registry_.add_api_key(spec.name, key_hash)
             # A rotated key replaces the old one: only the Secret's current key authenticates.
             for old_id in await registry_.list_api_keys(spec.name):
@@ -469,6 +551,8 @@ def build_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         failure = await sync_tenant(body, memo)
         if failure is not None:
             await tenant_failed(body, memo, *failure)
+            if failure[0] in PERMANENT_TENANT_FAILURES:  # retrying soon cannot help: no hot loop
+                raise kopf.PermanentError(failure[1])
             raise kopf.TemporaryError(failure[1], delay=SECRET_RETRY_DELAY)
 
     @kopf.timer(

@@ -31,9 +31,12 @@ KINDS: dict[str, tuple[str, bool]] = {
     "ConfigMap": ("configmaps", True),
     "Secret": ("secrets", True),
     "PodDisruptionBudget": ("poddisruptionbudgets", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "Pod": ("pods", True),
     "InferenceModel": ("inferencemodels", True),
     "Tenant": ("tenants", False),
+    "ClusterKopfPeering": ("clusterkopfpeerings", False),
+    "KopfPeering": ("kopfpeerings", True),
 }
 
 

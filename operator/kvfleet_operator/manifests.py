@@ -3,9 +3,14 @@
 Same ModelSpec and OperatorConfig in, same dicts out: nothing here talks to a server, so every field is
 unit-tested and validated against the Kubernetes OpenAPI schemas without a cluster.
 
-Naming: the Deployment, headless Service, ConfigMap and PodDisruptionBudget take the model's name; the
-Secret with the engine's Redis URL and admin token is ``<name>-credentials``. All carry the labels of
-`labels()` and a controller ownerReference to the InferenceModel, so deleting the model deletes them.
+Naming: the Deployment, headless Service, ConfigMap, PodDisruptionBudget and (when enabled) NetworkPolicy
+take the model's name; the Secret with the engine's Redis URL and admin token is ``<name>-credentials``. All
+carry the labels of `labels()` and a controller ownerReference to the InferenceModel, so deleting the model
+deletes them.
+
+Engine pods pass the Pod Security Standard "restricted" (non-root, RuntimeDefault seccomp, no privilege
+escalation, every capability dropped) with a read-only root filesystem: what the engine writes goes to
+emptyDirs (`WRITABLE_DIRS`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ CONFIG_MOUNT = "/etc/kvfleet"
 STARTUP_PROBE_PERIOD = 10
 HEALTH_PATH = "/health"
 SHUTDOWN_MARGIN_S = 10  # of the grace period, kept for the process to exit after draining
+ENGINE_UID = 1000  # the engine images' user
+# Pods with this label in the operator's namespace (the chart's gateway and operator) may reach engine pods
+# through the per-model NetworkPolicy.
+ENGINE_CLIENT_LABEL = "kvfleet.io/engine-client"
+# The root filesystem is read-only; these emptyDirs are where an engine writes: /tmp (the ZMQ ipc sockets
+# between the API server and the engine core, temporary files) and a home directory whose .cache holds the
+# compiled CPU kernels (XDG_CACHE_HOME), Triton's kernel cache and the CUDA JIT cache (~/.nv).
+ENGINE_HOME = "/home/kvfleet"
+WRITABLE_DIRS = {"tmp": "/tmp", "home": ENGINE_HOME}
 
 
 def selector_labels(model: ModelSpec) -> dict[str, str]:
@@ -137,9 +151,27 @@ def shutdown_timeout(model: ModelSpec) -> int:
     return max(1, grace - SHUTDOWN_MARGIN_S) if grace > SHUTDOWN_MARGIN_S else max(1, grace // 2)
 
 
+def _writable_env(model: ModelSpec, taken: set[str]) -> list[dict[str, Any]]:
+    """Where caches go, all inside the pod's emptyDirs (a model's own ``spec.engine.env`` wins, which also
+    keeps names unique)."""
+    cache = f"{ENGINE_HOME}/.cache"
+    env = [
+        {"name": "HOME", "value": ENGINE_HOME},
+        {"name": "XDG_CACHE_HOME", "value": cache},
+        {"name": "TRITON_CACHE_DIR", "value": f"{cache}/triton"},
+        # hf:// models download into the model volume; the others may still fetch a tokenizer or config.
+        {
+            "name": "HF_HOME",
+            "value": f"{MODEL_MOUNT}/.hf-home" if model.source.scheme == "hf" else f"{cache}/huggingface",
+        },
+    ]
+    return [e for e in env if e["name"] not in taken]
+
+
 def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
     secret = credentials_secret_name(model)
     own = copy.deepcopy(list(model.engine.env))
+    taken = {e.get("name") for e in own}
     return [
         {
             "name": "KVFLEET_REDIS_URL",
@@ -155,11 +187,8 @@ def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]
         {"name": "KVFLEET_BASE_URL", "value": f"http://$(KVFLEET_POD_IP):{ENGINE_PORT}"},
         {"name": "KVFLEET_MODEL", "value": model.name},
         {"name": "KVFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {
-            "name": "HF_HOME",
-            "value": f"{MODEL_MOUNT}/.hf-home" if model.source.scheme == "hf" else "/tmp/hf-home",
-        },
-        *_otel_env(model, config, {e.get("name") for e in own}),
+        *_writable_env(model, taken),
+        *_otel_env(model, config, taken),
         *own,
     ]
 
@@ -234,6 +263,9 @@ def _volumes(model: ModelSpec, config: OperatorConfig) -> tuple[list[dict], list
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    for name, path in WRITABLE_DIRS.items():
+        volumes.append({"name": name, "emptyDir": {}})
+        mounts.append({"name": name, "mountPath": path})
     source = model.source
     if source.scheme == "pvc":
         volumes.append(
@@ -257,7 +289,7 @@ def _fetch_container(model: ModelSpec, image: str, env: list[dict], mounts: list
         "image": image,
         "command": command,
         "env": copy.deepcopy(env),
-        "volumeMounts": [dict(m) for m in mounts if m["name"] == "model"],
+        "volumeMounts": [dict(m) for m in mounts if m["name"] == "model" or m["name"] in WRITABLE_DIRS],
         "securityContext": _container_security(),
     }
     if model.engine.image_pull_policy:
@@ -266,7 +298,22 @@ def _fetch_container(model: ModelSpec, image: str, env: list[dict], mounts: list
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": ENGINE_UID,
+        "runAsGroup": ENGINE_UID,
+        "fsGroup": ENGINE_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _tolerations(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
@@ -306,7 +353,7 @@ def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
         # The engine never talks to the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        "securityContext": _pod_security(),
     }
     if model.source.scheme == "hf":
         pod_spec["initContainers"] = [_fetch_container(model, image, env, mounts)]
@@ -440,12 +487,37 @@ def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
     }
 
 
+def network_policy(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """The engine pods accept connections (inference and the admin endpoints: sleep, wake_up) only from
+    engine clients in the operator's namespace and the configured extra peers. Wherever the model lives:
+    NetworkPolicies are namespaced, so a policy in the platform's namespace would not cover it."""
+    peers: list[dict[str, Any]] = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.namespace}},
+            "podSelector": {"matchLabels": {ENGINE_CLIENT_LABEL: "true"}},
+        },
+        *copy.deepcopy(list(config.engine_ingress_from)),
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(model),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(model)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}],
+        },
+    }
+
+
 def children(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]]:
-    """Everything the model owns, in apply order (what the pods reference comes before the Deployment)."""
+    """Everything the model owns, in apply order (what the pods reference, and the NetworkPolicy that
+    guards them, come before the Deployment)."""
     return [
         credentials_secret(model, config),
         config_map(model, config),
         service(model),
         pod_disruption_budget(model),
+        *([network_policy(model, config)] if config.engine_network_policy else []),
         deployment(model, config),
     ]

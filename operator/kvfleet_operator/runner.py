@@ -4,6 +4,7 @@ and for tests/benchmarks (a background thread with its own event loop)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -58,10 +59,11 @@ async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: obje
     """Run kopf until ``stop_flag`` (any flag kopf accepts, e.g. a threading.Event) is set."""
     clusterwide = not args.namespaces
     settings = operator_settings(peering=args.peering, priority=args.priority, clusterwide=clusterwide)
+    options = dataclasses.replace(args.options, peering=args.peering, peering_namespaces=args.namespaces)
     await kopf.operator(
-        registry=build_registry(args.options),
+        registry=build_registry(options),
         settings=settings,
-        memo=new_memo(args.config, args.options),
+        memo=new_memo(args.config, options),
         clusterwide=clusterwide,
         namespaces=list(args.namespaces),
         standalone=args.peering is None,
@@ -101,6 +103,14 @@ def run_operator(
         priority=priority,
         liveness=liveness,
     )
+    if peering is not None:
+        kind = "KopfPeering in each watched namespace" if namespaces else "ClusterKopfPeering"
+        logging.getLogger("kvfleet_operator").info(
+            "peering %r (%s): only the highest-priority live replica acts; without the peering object "
+            "none does (--standalone runs without one)",
+            peering,
+            kind,
+        )
     asyncio.run(run_async(args))
 
 

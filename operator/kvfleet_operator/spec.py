@@ -7,14 +7,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvfleet_operator.validation import SpecError, parse_bytes, validated_inference_model, validated_tenant
+from kvfleet_operator.validation import (
+    SpecError,
+    inference_model_name_errors,
+    parse_bytes,
+    validated_inference_model,
+    validated_tenant,
+)
 
 ENGINE_PORT = 8000
 MODEL_MOUNT = "/models"
-DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-# Child objects take the model's name; the Service name must be a DNS-1035 label (<= 63), and the pods of
-# a Deployment append up to 17 characters of hashes to it.
-MAX_MODEL_NAME = 46
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +122,9 @@ def model_spec_from(obj: dict) -> ModelSpec:
     Raises SpecError naming every problem found."""
     meta = obj.get("metadata", {})
     name = meta.get("name", "")
-    if len(name) > MAX_MODEL_NAME or not DNS_1035_LABEL.match(name):
-        raise SpecError(
-            f"metadata.name {name!r} must be a DNS-1035 label of at most {MAX_MODEL_NAME} characters "
-            "(lower-case letters, digits and '-', starting with a letter): it names the model's Service"
-        )
+    name_errors = inference_model_name_errors(name)
+    if name_errors:
+        raise SpecError("; ".join(name_errors))
     spec = validated_inference_model(obj)
     model, engine = spec["model"], spec["engine"]
     source = parse_model_uri(model["uri"])
@@ -225,3 +225,8 @@ class OperatorConfig:
     # OTLP/HTTP endpoint (e.g. http://otel-collector.kvfleet-system.svc:4318) that engine pods export traces
     # to, as OTEL_EXPORTER_OTLP_ENDPOINT. Empty: engines get no exporter (they still propagate traceparent).
     otlp_endpoint: str = ""
+    # Give every model a NetworkPolicy: its engine pods accept traffic (port 8000) only from pods labelled
+    # kvfleet.io/engine-client=true in the operator's namespace (the chart's gateway and operator) and from
+    # engine_ingress_from (core/v1 NetworkPolicyPeer objects, e.g. a Prometheus namespace).
+    engine_network_policy: bool = False
+    engine_ingress_from: tuple[dict[str, Any], ...] = ()

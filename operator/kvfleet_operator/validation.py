@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 import jsonschema
@@ -75,55 +75,56 @@ def _short_message(error: jsonschema.ValidationError) -> str:
 
 _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+_BYTES = re.compile(crds.BYTES_PATTERN)
+_SPLIT = re.compile(r"^([0-9.]+)([eE][0-9]+|[KMGTPE]i|[kMGTPE])?$")
 
 
 def parse_bytes(quantity: int | str) -> int:
-    """A Kubernetes quantity (``8Gi``, ``500M``, ``1073741824``) as a whole number of bytes."""
-    if isinstance(quantity, bool):
+    """A positive number of bytes given as an integer or a Kubernetes quantity (``8Gi``, ``1.5G``, ``1e9``);
+    exactly what the CRD's ``kvCacheMemory`` schema admits. A fraction of a byte rounds up, as Kubernetes
+    rounds quantities (``1.3Ki`` is 1332 bytes)."""
+    if isinstance(quantity, bool) or not isinstance(quantity, int | str):
         raise SpecError(f"{quantity!r} is not a quantity")
     if isinstance(quantity, int):
-        value = Decimal(quantity)
-    else:
-        match = _QUANTITY.match(quantity.strip())
-        if match is None:
-            raise SpecError(f"{quantity!r} is not a quantity (e.g. 8Gi, 500M, 1073741824)")
-        number, suffix = match.groups()
-        try:
-            value = Decimal(number)
-        except InvalidOperation:
-            raise SpecError(f"{quantity!r} is not a quantity") from None
-        suffix = suffix or ""
-        if suffix == "m":
-            value /= 1000
-        elif suffix[:1] in "eE" and suffix:
-            value *= Decimal(10) ** int(suffix[1:])
-        elif suffix in _BINARY_SUFFIXES:
-            value *= _BINARY_SUFFIXES[suffix]
-        else:
-            value *= _DECIMAL_SUFFIXES[suffix]
-    if value != value.to_integral_value() or value <= 0:
-        raise SpecError(f"{quantity!r} must be a positive whole number of bytes")
-    return int(value)
+        if quantity < 1:
+            raise SpecError(f"{quantity!r} must be a positive number of bytes")
+        return quantity
+    if not _BYTES.fullmatch(quantity):
+        raise SpecError(
+            f"{quantity!r} must be a positive number of bytes (e.g. 1073741824) or a quantity with a unit "
+            "(e.g. 8Gi, 500M); no sign, no fraction without a unit"
+        )
+    match = _SPLIT.match(quantity)
+    assert match is not None  # every string BYTES_PATTERN admits splits so
+    number, suffix = match.groups()
+    value = Decimal(number)
+    suffix = suffix or ""
+    if suffix in _BINARY_SUFFIXES:
+        value *= _BINARY_SUFFIXES[suffix]
+    elif suffix in _DECIMAL_SUFFIXES:  # "E" alone is exa
+        value *= _DECIMAL_SUFFIXES[suffix]
+    else:  # an exponent: e9, E3
+        value *= Decimal(10) ** int(suffix[1:])
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
 
 
-# Flags the operator owns: setting them through extraArgs would break routing, auth or probes.
-MANAGED_ENGINE_FLAGS = frozenset(
-    {
-        "--model",
-        "--host",
-        "--port",
-        "--served-model-name",
-        "--redis-url",
-        "--admin-token",
-        "--device",
-        "--tensor-parallel-size",
-        "--pipeline-parallel-size",
-        "--shutdown-timeout",
-        "--replica-name",
-        "--base-url",
-    }
-)
+MANAGED_ENGINE_FLAGS = frozenset(crds.MANAGED_ENGINE_FLAGS)
+
+
+def sets_managed_flag(arg: str) -> bool:
+    """Whether ``arg`` on the engine's command line would set a flag the operator owns: the twin of the
+    CRD's extraArgs rule (`crds.managed_flag_regex`), written out. argparse reads ``--flag=value`` and
+    expands any unique prefix of a long flag, and a short flag (``-tp``) may carry its value joined."""
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("--"):
+        name = flag[2:]
+        return bool(name) and any(f.startswith("--" + name) for f in MANAGED_ENGINE_FLAGS)
+    if flag.startswith("-") and len(flag) > 1:
+        shorts = [f for f in MANAGED_ENGINE_FLAGS if not f.startswith("--")]
+        return any(f.startswith(flag) for f in shorts) or any(
+            arg.startswith(f) and len(arg) > len(f) for f in shorts
+        )
+    return False
 
 
 def inference_model_rule_errors(spec: dict) -> list[str]:
@@ -150,11 +151,17 @@ def inference_model_rule_errors(spec: dict) -> list[str]:
             parse_bytes(engine["kvCacheMemory"])
         except SpecError as e:
             errors.append(f"spec.engine.kvCacheMemory: {e}")
-    for arg in engine.get("extraArgs", []):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_ENGINE_FLAGS:
-            errors.append(f"spec.engine.extraArgs: {flag} is set by the operator from the spec; remove it")
+    for i, arg in enumerate(engine.get("extraArgs", [])):
+        if sets_managed_flag(arg):
+            errors.append(f"spec.engine.extraArgs[{i}]: {arg!r}: {crds.EXTRA_ARGS_MESSAGE}")
     return errors
+
+
+def inference_model_name_errors(name: str) -> list[str]:
+    """The CRD's root rule on metadata.name."""
+    if len(name) > crds.MAX_MODEL_NAME or not re.match(crds.DNS_1035_LABEL, name):
+        return [f"metadata.name {name!r}: {crds.MODEL_NAME_MESSAGE}"]
+    return []
 
 
 def tenant_rule_errors(spec: dict) -> list[str]:

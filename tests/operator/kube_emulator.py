@@ -53,6 +53,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "kopf.dev/v1/clusterkopfpeerings": {"kind": "ClusterKopfPeering", "namespaced": False},
     "kopf.dev/v1/kopfpeerings": {"kind": "KopfPeering", "namespaced": True},
     "kvfleet.io/v1alpha1/inferencemodels": {
@@ -81,6 +82,12 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
 
     _versions = itertools.count(1)
     _last_version = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Namespaces whose Secrets the client may not touch: every request for them is answered 403, as an
+        # API server answers an operator whose RBAC does not reach there.
+        self.forbidden_secret_namespaces: set[str] = set()
 
     def _next_version(self) -> str:
         self._last_version = next(self._versions)
@@ -145,6 +152,16 @@ class ServerFieldsEmulator(kmock.KubernetesEmulator):
         # KMock keeps every request for assertions and re-filters all of them on each new request to pick
         # a reaction (quadratic); a long-running emulator keeps only the request being served.
         del self._requests[:-1]
+        if (
+            request.resource is not None
+            and request.resource.plural == "secrets"
+            and request.namespace in self.forbidden_secret_namespaces
+        ):
+            raise kmock.KubernetesError(
+                status=403,
+                reason="Forbidden",
+                message=f'secrets is forbidden: cannot access resource "secrets" in "{request.namespace}"',
+            )
         data = request.data
         if request.resource is not None and request.action == _action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
@@ -274,6 +291,15 @@ class KubeEmulator:
     def delete(self, path: str) -> None:
         assert self.client is not None
         self.client.delete(path).raise_for_status()
+
+    def forbid_secrets(self, namespace: str, forbidden: bool = True) -> None:
+        """Answer 403 to every request for Secrets in ``namespace`` (or stop doing so)."""
+        assert self.handler is not None
+        target = self.handler.forbidden_secret_namespaces  # type: ignore[attr-defined]
+        if forbidden:
+            target.add(namespace)
+        else:
+            target.discard(namespace)
 
     def events_for(self, name: str, namespace: str = "default") -> list[dict[str, Any]]:
         return [

@@ -28,6 +28,7 @@ def operator_args(server: str, redis_url: str, **options: Any) -> RunArgs:
             redis_url=redis_url,
             admin_token=ADMIN_TOKEN,
             namespace="kvfleet-system",
+            engine_network_policy=True,
         ),
         options=RuntimeOptions(
             server=server, idle_check_seconds=options.pop("idle_check_seconds", 2.0), resync_seconds=1.0

@@ -37,6 +37,7 @@ SERVICES = f"/api/v1/namespaces/{NS}/services"
 CONFIGMAPS = f"/api/v1/namespaces/{NS}/configmaps"
 SECRETS = f"/api/v1/namespaces/{NS}/secrets"
 PDBS = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets"
+NETWORK_POLICIES = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 
 
@@ -122,6 +123,7 @@ def test_create_renders_owned_objects_and_registers_the_model(kube: KubeEmulator
         child(SERVICES, "llama"),
         child(CONFIGMAPS, "llama"),
         child(PDBS, "llama"),
+        child(NETWORK_POLICIES, "llama"),
         child(SECRETS, "llama-credentials"),
         child(DEPLOYMENTS, "llama"),
     ):
@@ -129,6 +131,12 @@ def test_create_renders_owned_objects_and_registers_the_model(kube: KubeEmulator
         (owner,) = obj["metadata"]["ownerReferences"]
         assert owner["kind"] == "InferenceModel" and owner["uid"] == uid and owner["controller"] is True
         assert obj["metadata"]["labels"]["kvfleet.io/model"] == "llama"
+
+    # Only engine clients of the operator's namespace reach the replicas, though the model lives elsewhere.
+    policy = kube.get(child(NETWORK_POLICIES, "llama"))
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    (peer,) = policy["spec"]["ingress"][0]["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kvfleet-system"}
 
     config = eventually(lambda: registry.get_model_config("meta/llama-8b"))
     assert config.routing_policy == "least-load" and config.allowed_tenants == ["team-a"]
@@ -291,6 +299,7 @@ def test_delete_removes_owned_objects_and_purges_redis(kube: KubeEmulator, regis
         child(SERVICES, "doomed"),
         child(CONFIGMAPS, "doomed"),
         child(PDBS, "doomed"),
+        child(NETWORK_POLICIES, "doomed"),
         child(SECRETS, "doomed-credentials"),
     ):
         assert kube.get(path) is None, path
@@ -380,25 +389,64 @@ def test_tenant_lifecycle_in_redis(kube: KubeEmulator, registry: Registry):
     assert registry.tenant_for_key_hash(_sha("sk-acme-2")) is None
 
 
+def post_tenant(kube: KubeEmulator, name: str, secret: str) -> None:
+    ref = {"name": secret, "namespace": "kvfleet-system"}
+    body = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "Tenant", "metadata": {"name": name}}
+    kube.post(TENANTS, {**body, "spec": {"apiKeySecretRef": ref}})
+
+
+def first_tenant_status(kube: KubeEmulator, name: str) -> dict:
+    return eventually(
+        lambda: (s := (kube.get(f"{TENANTS}/{name}") or {}).get("status", {})).get("phase") and s
+    )
+
+
 def test_tenant_with_a_missing_secret_fails_then_recovers(kube: KubeEmulator, registry: Registry):
-    kube.post(
-        TENANTS,
-        {
-            "apiVersion": "kvfleet.io/v1alpha1",
-            "kind": "Tenant",
-            "metadata": {"name": "late"},
-            "spec": {"apiKeySecretRef": {"name": "late-key", "namespace": "kvfleet-system"}},
-        },
-    )
-    status = eventually(
-        lambda: (s := (kube.get(f"{TENANTS}/late") or {}).get("status", {})).get("phase") and s
-    )
+    post_tenant(kube, "late", "late-key")
+    status = first_tenant_status(kube, "late")
     assert status["phase"] == "Failed" and status["conditions"][0]["reason"] == "SecretNotFound"
     assert "kvfleet-system/late-key" in status["conditions"][0]["message"]
     eventually(lambda: [e for e in kube.events_for("late") if e["reason"] == "SecretNotFound"])
     kube.post("/api/v1/namespaces/kvfleet-system/secrets", _secret("late-key", "sk-late"))
     eventually(lambda: registry.tenant_for_key_hash(_sha("sk-late")), timeout=20)
     eventually(lambda: kube.get(f"{TENANTS}/late")["status"]["phase"] == "Active")
+
+
+def test_tenant_whose_secret_the_operator_may_not_read_fails_without_hot_retries(
+    kube: KubeEmulator, registry: Registry, caplog
+):
+    """A 403 on the key Secret: status Failed with reason SecretForbidden and a Warning Event; the reconcile
+    handler fails for good instead of retrying, and only the periodic resync looks again, which picks the
+    key up once access is granted."""
+    secrets = "/api/v1/namespaces/kvfleet-system/secrets"
+    kube.post(secrets, _secret("locked-key", "sk-locked"))
+    kube.forbid_secrets("kvfleet-system")
+    try:
+        post_tenant(kube, "locked", "locked-key")
+        status = first_tenant_status(kube, "locked")
+        (ready,) = status["conditions"]
+        assert status["phase"] == "Failed" and ready["status"] == "False"
+        assert ready["reason"] == "SecretForbidden"
+        assert "Secret kvfleet-system/locked-key (HTTP 403)" in ready["message"]
+        assert "operator.tenantSecretNamespaces" in ready["message"]
+        eventually(lambda: [e for e in kube.events_for("locked") if e["reason"] == "SecretForbidden"])
+        eventually(
+            lambda: any(
+                "reconcile_tenant" in r.getMessage() and "failed permanently" in r.getMessage()
+                for r in caplog.records
+            )
+        )
+        assert not any(
+            "reconcile_tenant" in r.getMessage() and "failed temporarily" in r.getMessage()
+            for r in caplog.records
+        )
+        assert registry.tenant_for_key_hash(_sha("sk-locked")) is None
+    finally:
+        kube.forbid_secrets("kvfleet-system", False)
+    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-locked")), timeout=20)
+    eventually(lambda: kube.get(f"{TENANTS}/locked")["status"]["phase"] == "Active")
+    kube.delete(f"{TENANTS}/locked")
+    eventually(lambda: kube.get(f"{TENANTS}/locked") is None)
 
 
 def _heartbeat(registry: Registry, *, name: str, model: str, base_url: str, state: str) -> Heartbeat:

@@ -92,7 +92,7 @@ def test_optional_engine_flags_map_one_to_one():
                 "kvCacheMemory": "2Gi",
                 "enablePrefixCaching": False,
                 "seed": 7,
-                "extraArgs": ["--scheduling-policy", "priority"],
+                "extraArgs": ["--attention-backend", "torch"],
             }
         )
     )
@@ -105,7 +105,7 @@ def test_optional_engine_flags_map_one_to_one():
     assert flag(args, "--seed") == "7"
     assert "--no-enable-prefix-caching" in args
     assert "--gpu-memory-utilization" not in args
-    assert args[-2:] == ["--scheduling-policy", "priority"]
+    assert args[-2:] == ["--attention-backend", "torch"]
 
 
 def test_defaults_leave_optional_flags_to_the_engine():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import time
 from collections.abc import Iterator
 
@@ -84,3 +85,45 @@ def test_only_the_highest_priority_replica_acts_and_the_standby_takes_over(two_r
             if op is not None:
                 op.stop()
         kube.stop()
+
+
+def test_a_missing_peering_object_is_reported_in_the_log_until_it_appears(two_redis, monkeypatch, caplog):
+    """Without --standalone and without the peering object (which only the Helm chart creates) the operator
+    does nothing: it says so, with the fix, instead of waiting silently; once the object exists it acts."""
+    from kvfleet_operator import handlers
+
+    monkeypatch.setattr(handlers, "PEERING_CHECK_INTERVAL", 0.2)
+    caplog.set_level(logging.INFO, logger="kvfleet_operator.peering")
+    reg, _, url, _ = two_redis
+    kube = KubeEmulator().start()
+    op = None
+    try:
+        op = OperatorThread(operator_args(kube.url, url, peering="by-hand", priority=1)).start()
+        warning = eventually(
+            lambda: [
+                r for r in caplog.records if r.name == "kvfleet_operator.peering" and r.levelname == "WARNING"
+            ]
+        )[0].getMessage()
+        assert "ClusterKopfPeering 'by-hand'" in warning and "does nothing until it exists" in warning
+        assert "--standalone" in warning and "kubectl apply" in warning
+        key = add_tenant(kube, "early", "sk-early")
+        time.sleep(1.0)
+        assert reg.tenant_for_key_hash(key) is None  # paused: kopf's peering is mandatory
+
+        add_peering(kube, "by-hand")
+        eventually(
+            lambda: any(r.getMessage().startswith("peering object found") for r in caplog.records), timeout=5
+        )
+        eventually(lambda: reg.tenant_for_key_hash(key), timeout=20)
+    finally:
+        if op is not None:
+            op.stop()
+        kube.stop()
+
+
+def test_the_help_says_the_operator_needs_the_peering_object_or_standalone():
+    from kvfleet_operator.cli import run_parser
+
+    text = " ".join(run_parser().format_help().split())
+    assert "waits without acting while it is missing" in text and "The Helm chart creates it" in text
+    assert "--standalone" in text and "ClusterKopfPeering" in text

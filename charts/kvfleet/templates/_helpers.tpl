@@ -1,22 +1,123 @@
 {{/* Names and labels shared by every template. */}}
+{{- define "kvfleet.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvfleet.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "kvfleet.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
+{{/* Cluster-scoped objects (ClusterRoles, the peering object, the admission policy) carry the release
+namespace too: two releases of one name in two namespaces must not share them. */}}
+{{- define "kvfleet.globalName" -}}
+{{- printf "%s.%s" .Release.Namespace (include "kvfleet.fullname" .) -}}
+{{- end -}}
+
+{{/* The kopf peering object the operator replicas of this release share (and only they). */}}
+{{- define "kvfleet.peeringName" -}}
+{{- include "kvfleet.globalName" . -}}
+{{- end -}}
+
+{{- define "kvfleet.version" -}}
+{{- include "kvfleet.tag" . | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvfleet.labels" -}}
+app.kubernetes.io/name: {{ include "kvfleet.name" . }}
+app.kubernetes.io/version: {{ include "kvfleet.version" . | quote }}
 app.kubernetes.io/part-of: kvfleet
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* Deployment selectors: fixed for a Deployment's life, so name and version are not part of them. */}}
 {{- define "kvfleet.selector" -}}
 app.kubernetes.io/part-of: kvfleet
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels of a component's pods: (dict "root" $ "component" "gateway"). */}}
+{{- define "kvfleet.podLabels" -}}
+{{ include "kvfleet.selector" .root }}
+app.kubernetes.io/name: {{ include "kvfleet.name" .root }}
+app.kubernetes.io/version: {{ include "kvfleet.version" .root | quote }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* A component's extra pod annotations (its own over the chart-wide podAnnotations):
+(dict "root" $ "component" .Values.gateway); a YAML map, empty when there are none. */}}
+{{- define "kvfleet.podAnnotations" -}}
+{{- $own := dict -}}
+{{- if .component -}}
+{{- $own = .component.podAnnotations | default dict -}}
+{{- end -}}
+{{- $annotations := merge (dict) $own (.root.Values.podAnnotations | default dict) -}}
+{{- if $annotations -}}
+{{- toYaml $annotations -}}
+{{- end -}}
+{{- end -}}
+
+{{/* priorityClassName of a component's pods (its own, else the chart-wide one), or nothing. */}}
+{{- define "kvfleet.priorityClassName" -}}
+{{- $name := .root.Values.priorityClassName -}}
+{{- if and .component .component.priorityClassName -}}
+{{- $name = .component.priorityClassName -}}
+{{- end -}}
+{{- with $name -}}
+priorityClassName: {{ . }}
+{{- end -}}
+{{- end -}}
+
+{{/* A component's affinity: its own, else spread its replicas over nodes (preferred, so that a small
+cluster still schedules them all): (dict "root" $ "component" .Values.gateway "name" "gateway"). */}}
+{{- define "kvfleet.affinity" -}}
+{{- if .component.affinity -}}
+{{- toYaml .component.affinity -}}
+{{- else -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "kvfleet.selector" .root | nindent 12 }}
+            app.kubernetes.io/component: {{ .name }}
+{{- end -}}
+{{- end -}}
+
+{{/* A PodDisruptionBudget for a component: (dict "root" $ "component" .Values.gateway "name" "gateway"). */}}
+{{- define "kvfleet.pdb" -}}
+{{- with .component.podDisruptionBudget }}
+{{- if .enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvfleet.fullname" $.root }}-{{ $.name }}
+  namespace: {{ $.root.Release.Namespace }}
+  labels:
+    {{- include "kvfleet.labels" $.root | nindent 4 }}
+    app.kubernetes.io/component: {{ $.name }}
+spec:
+  maxUnavailable: {{ .maxUnavailable }}
+  unhealthyPodEvictionPolicy: AlwaysAllow
+  selector:
+    matchLabels:
+      {{- include "kvfleet.selector" $.root | nindent 6 }}
+      app.kubernetes.io/component: {{ $.name }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "kvfleet.tag" -}}
@@ -27,30 +128,91 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s/%s:%s" .root.Values.image.registry .name (include "kvfleet.tag" .root) -}}
 {{- end -}}
 
+{{/* The Secret the chart creates for the credentials no existing Secret provides. */}}
 {{- define "kvfleet.secretName" -}}
-{{- .Values.existingSecret | default (printf "%s-credentials" (include "kvfleet.fullname" .)) -}}
+{{- printf "%s-credentials" (include "kvfleet.fullname" .) -}}
+{{- end -}}
+
+{{/* Where the admin token comes from: "NAME KEY" (existingSecret, adminTokenSecret, else the chart's). */}}
+{{- define "kvfleet.adminTokenRef" -}}
+{{- if .Values.existingSecret -}}
+{{- printf "%s admin-token" .Values.existingSecret -}}
+{{- else if .Values.adminTokenSecret.name -}}
+{{- printf "%s %s" .Values.adminTokenSecret.name .Values.adminTokenSecret.key -}}
+{{- else -}}
+{{- printf "%s admin-token" (include "kvfleet.secretName" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the Redis URL comes from: "NAME KEY" (existingSecret, redis.externalUrlSecret, else the chart's). */}}
+{{- define "kvfleet.redisUrlRef" -}}
+{{- if .Values.existingSecret -}}
+{{- printf "%s redis-url" .Values.existingSecret -}}
+{{- else if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name -}}
+{{- printf "%s %s" .Values.redis.externalUrlSecret.name .Values.redis.externalUrlSecret.key -}}
+{{- else -}}
+{{- printf "%s redis-url" (include "kvfleet.secretName" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvfleet.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
 {{- printf "redis://%s-redis.%s.svc:6379/0" (include "kvfleet.fullname" .) .Release.Namespace -}}
 {{- else -}}
-{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- required "redis.externalUrl (or redis.externalUrlSecret.name) is required when redis.enabled is false" .Values.redis.externalUrl -}}
 {{- end -}}
 {{- end -}}
 
-{{/* Environment every component reads: KVFLEET_REDIS_URL and KVFLEET_ADMIN_TOKEN from the Secret. */}}
+{{/* Environment every component reads: KVFLEET_REDIS_URL and KVFLEET_ADMIN_TOKEN from their Secrets. */}}
 {{- define "kvfleet.credentialsEnv" -}}
+{{- $redis := splitList " " (include "kvfleet.redisUrlRef" .) -}}
+{{- $token := splitList " " (include "kvfleet.adminTokenRef" .) -}}
 - name: KVFLEET_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ include "kvfleet.secretName" . }}
-      key: redis-url
+      name: {{ index $redis 0 }}
+      key: {{ index $redis 1 }}
 - name: KVFLEET_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ include "kvfleet.secretName" . }}
-      key: admin-token
+      name: {{ index $token 0 }}
+      key: {{ index $token 1 }}
+{{- end -}}
+
+{{/* What the operator does where models live (operator-rbac.yaml binds it cluster-wide, or as a Role in
+each of operator.watchNamespaces). Every verb, and why: docs/SECURITY.md. Secrets are written (each model's
+credentials), never read; Pods only listed. */}}
+{{- define "kvfleet.operatorModelRules" -}}
+- apiGroups: [kvfleet.io]
+  resources: [inferencemodels]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvfleet.io]
+  resources: [inferencemodels/status]
+  verbs: [get, patch]
+# Owner references with blockOwnerDeletion need it where OwnerReferencesPermissionEnforcement is on (OpenShift).
+- apiGroups: [kvfleet.io]
+  resources: [inferencemodels/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps, secrets]
+  verbs: [create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch, delete]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch, delete]
+{{- end }}
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
 {{- end -}}
 
 {{- define "kvfleet.podSecurity" -}}
