@@ -348,7 +348,7 @@ async def run_sessions(
     """Play every session (open loop over sessions; a chat's turns wait for their answers). Returns the
     records and the makespan (first send -> last completion)."""
     records: list[Record] = []
-    headers = {"x-kvfleet-debug": "1"}
+    headers = {"x-kvfleet-debug": fleet_mod.ADMIN_TOKEN}  # the routing decision, for operators only
 
     async with fleet_mod.make_client(base_url, api_key, timeout_s) as client:
         t0 = time.perf_counter()

@@ -56,7 +56,6 @@ SYSTEM = (
     "You are the assistant of the kvfleet local platform: answer briefly and precisely, never invent "
     "facts, prefer short sentences and plain words, and say so when you do not know. "
 ) * 10
-DEBUG = {"x-kvfleet-debug": "1"}  # the gateway answers with its routing decision (x-kvfleet-route)
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +138,14 @@ class Gateway:
         self.url = platform.gateway_url
         self.admin_token = platform.admin_token
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=TENANT_KEY, max_retries=0, timeout=180)
+        # With the admin token the gateway answers with its routing decision (x-kvfleet-route).
+        self.debug = {"x-kvfleet-debug": self.admin_token}
         self.served = 0
 
     def chat(self, messages: list[dict], headers: dict[str, str] | None = None, max_tokens: int = 8):
         """A chat completion; (the parsed response, the response headers)."""
         raw = self.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=max_tokens, extra_headers={**DEBUG, **(headers or {})}
+            model=MODEL, messages=messages, max_tokens=max_tokens, extra_headers={**self.debug, **(headers or {})}
         )
         resp = raw.parse()
         assert resp.model == MODEL and resp.usage is not None and resp.usage.completion_tokens > 0
@@ -154,7 +155,7 @@ class Gateway:
 
     def complete(self, prompt: str):
         raw = self.client.completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=1, extra_headers=DEBUG
+            model=MODEL, prompt=prompt, max_tokens=1, extra_headers=self.debug
         )
         assert raw.parse().usage.completion_tokens == 1
         self.served += 1

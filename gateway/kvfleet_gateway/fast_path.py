@@ -18,12 +18,19 @@ FastAPI, where the two endpoints are still declared: they document the API (Open
 
 Not seen by the proxied requests: FastAPI's and OpenTelemetry's HTTP instrumentation (already excluded
 for them: ``Proxy.handle`` opens their server span) and any middleware added to the FastAPI app.
+
+Ahead of both paths, for every route (``edge_problem``): a request with two ``Authorization`` headers is a 400
+(which one would count?), and so is a path whose percent-escapes stand for characters that never need one
+(letters, digits, ``-._~``, ``/``, ``%``): ``/%61dmin/tenants`` would reach ``/admin/tenants`` after a path
+filter in front of the gateway let it through as something else. A body nesting JSON deeper than
+``MAX_JSON_DEPTH`` is a 400 before it is parsed (``kvfleet_common.request_limits``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -42,6 +49,7 @@ from kvfleet_common.http import (
     validation_error_response,
 )
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet_common.request_limits import json_too_deep, json_too_deep_error
 from kvfleet_gateway.auth import require_tenant
 from kvfleet_gateway.fleet import registry_unavailable
 from kvfleet_gateway.proxy import RECEIVED_AT
@@ -69,6 +77,12 @@ class GatewayApp(FastAPI):
     fast_path: bool = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (refused := edge_problem(scope)) is not None:
+            logger.info(
+                "%s %r refused: %s", scope["method"], scope.get("raw_path", b"")[:200], refused.message
+            )
+            await refused.response()(scope, receive, send)
+            return
         if (
             self.fast_path
             and scope["type"] == "http"
@@ -80,6 +94,22 @@ class GatewayApp(FastAPI):
             await serve_proxied(route[0], route[1], scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+_ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
+# characters a path never needs to escape, and "/" and "%": escaped, they only hide which route is meant
+_ROUTING_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~/%")
+
+
+def edge_problem(scope: Scope) -> ApiError | None:
+    """Why a request is refused whatever its route (see the module docstring); None for almost all."""
+    raw_path = scope.get("raw_path") or b""
+    if b"%" in raw_path and any(int(m[1], 16) in _ROUTING_CHARS for m in _ESCAPE.finditer(raw_path)):
+        return ApiError(400, "the request path percent-encodes characters that need no encoding (letters, "
+                        "digits, -._~, / or %): send them as they are", code="invalid_request")  # fmt: skip
+    if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+        return ApiError(400, "more than one Authorization header: send exactly one", code="invalid_request")
+    return None
 
 
 async def serve_proxied(
@@ -101,7 +131,11 @@ async def serve_proxied(
 async def _answer(endpoint: str, model: type[pydantic.BaseModel], raw: bytes, request: Request) -> Response:
     try:
         try:
+            if json_too_deep(raw):
+                return _rejected(request, json_too_deep_error().response())
             data = json.loads(raw) if raw.strip() else _EMPTY
+        except RecursionError:  # json_too_deep let it through: never, for valid JSON
+            return _rejected(request, json_too_deep_error().response())
         except ValueError as e:  # not JSON, or not UTF-8
             msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
             return _rejected(

@@ -1,4 +1,9 @@
-"""Prometheus metrics of the gateway (names prefixed ``kvfleet_gateway_``), on a private registry."""
+"""Prometheus metrics of the gateway (names prefixed ``kvfleet_gateway_``), on a private registry.
+
+Label values come from small, known sets only: models the fleet knows, tenants the admin created, the
+gateway's own endpoint, reason and status names. A model name a client made up is counted under
+``UNKNOWN_MODEL``: any tenant could otherwise grow ``/metrics`` (and the gateway's memory) without bound.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _OVERHEAD_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # fmt: skip
 
 M = TypeVar("M", Counter, Gauge, Histogram)
+
+UNKNOWN_MODEL = "(unknown)"  # the label of every model name the fleet does not know (no real name has "()")
 
 
 class Children(Generic[M]):

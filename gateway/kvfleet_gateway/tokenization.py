@@ -5,6 +5,10 @@ under a content revision; heartbeats name the revision. The gateway loads each (
 with transformers' fast tokenizer, the same class the engine uses, and turns a request into token ids
 exactly as the engine's server does: completions encode the (first) prompt with special tokens; chat
 renders the chat template to text and encodes it without adding special tokens again.
+
+On the request path (``bounded_prompt_token_ids``) the prompt's size is bounded first, against what the
+model's context can hold (``kvfleet_common.request_limits.TextBound``, measured once per tokenizer), and long
+texts are tokenized in a worker thread: one tenant's huge prompt never holds the event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from kvfleet_common.gc_heap import freeze_long_lived
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet_common.request_limits import TextBound, encode, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -44,25 +49,57 @@ def prompt_token_ids(tokenizer: Any, request: CompletionRequest | ChatCompletion
         return (
             _encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         )
+    text = _chat_text(tokenizer, request)
+    return None if text is None else _encode(tokenizer, text, add_special_tokens=False)
+
+
+class PromptTooLarge(Exception):
+    """The prompt's text cannot fit the model's context, whatever it tokenizes to."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+async def bounded_prompt_token_ids(
+    tokenizer: Any, bound: TextBound, request: CompletionRequest | ChatCompletionRequest, max_model_len: int
+) -> list[int] | None:
+    """``prompt_token_ids`` on the request path: every prompt's size is checked before anything is
+    tokenized (raises ``PromptTooLarge``; a chat's messages before the template is rendered too), and a
+    long text is tokenized off the event loop."""
+    if isinstance(request, CompletionRequest):
+        prompts = request.prompts()
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                _check_size(bound, [prompt], max_model_len, "prompt")
+        first = prompts[0]
+        return await encode_off_loop(tokenizer, first, True) if isinstance(first, str) else list(first)
+    _check_size(bound, [m.text() for m in request.messages], max_model_len, "messages")
+    text = _chat_text(tokenizer, request)
+    if text is None:
+        return None
+    _check_size(bound, [text], max_model_len, "messages")
+    return await encode_off_loop(tokenizer, text, False)
+
+
+def _check_size(bound: TextBound, texts: list[str], max_model_len: int, param: str) -> None:
+    problem = bound.problem(texts, max_model_len)
+    if problem is not None:
+        raise PromptTooLarge(problem, param)
+
+
+def _chat_text(tokenizer: Any, request: ChatCompletionRequest) -> str | None:
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             request.template_messages(), tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
         )  # fmt: skip
     except Exception:  # jinja errors: the engine reports them as a 400 with its own message
         return None
-    return _encode(tokenizer, text, add_special_tokens=False)
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    """``tokenizer.encode`` through the Rust ``tokenizers`` object when there is one: the same ids (the
-    wrapper calls it with the same flag), without the wrapper's per-call Python (BatchEncoding, tensor
-    conversion), which was ~8 % of the gateway's CPU per request."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+_encode = encode  # kvfleet_common.request_limits.encode: the engine's ids, without the wrapper's Python
 
 
 class TokenizerCache:
@@ -71,10 +108,15 @@ class TokenizerCache:
     def __init__(self, fetch: Fetch) -> None:
         self._fetch = fetch
         self._loaded: dict[tuple[str, str], Any] = {}
+        self._bounds: dict[tuple[str, str], TextBound] = {}
         self._loading: dict[tuple[str, str], asyncio.Task] = {}
 
     def cached(self, model: str, revision: str) -> Any | None:
         return self._loaded.get((model, revision))
+
+    def bound(self, model: str, revision: str) -> TextBound:
+        """The loaded tokenizer's ``TextBound`` (the generous default before it is loaded)."""
+        return self._bounds.get((model, revision)) or TextBound()
 
     async def get(self, model: str, revision: str) -> Any | None:
         """The tokenizer, or None when the engine published none (routing then ignores prefixes)."""
@@ -100,8 +142,14 @@ class TokenizerCache:
             logger.warning("tokenizer %s@%s is not in Redis: routing %s without prefix matching",
                            model, revision[:12], model)  # fmt: skip
             return None
-        tok = await asyncio.to_thread(load_tokenizer_files, files)
+        tok, bound = await asyncio.to_thread(_load_measured, files)
+        self._bounds[(model, revision)] = bound
         self._loaded[(model, revision)] = tok
         freeze_long_lived(f"tokenizer of {model} loaded")  # transformers (and torch) were imported just now
         logger.info("loaded tokenizer of %s (revision %s)", model, revision[:12])
         return tok
+
+
+def _load_measured(files: dict[str, bytes]) -> tuple[Any, TextBound]:
+    tok = load_tokenizer_files(files)
+    return tok, TextBound.of(tok)

@@ -28,7 +28,7 @@ def sdk(fleet, key: str, gateway=None) -> openai.OpenAI:
 def chat_raw(fleet, key: str, messages, gateway=None, **kw) -> httpx.Response:
     g = gateway or fleet.gateway
     return httpx.post(f"{g.url}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": "1"},
+                      headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": g.admin_token},
                       json={"model": MODEL, "messages": messages, "max_tokens": 4, **kw})  # fmt: skip
 
 
@@ -137,7 +137,7 @@ def test_shared_prefix_sticks_to_one_replica_and_the_prediction_is_exact(fleet, 
     spread, routes = set(), []
     for word in ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]:
         r = httpx.post(f"{fleet.gateway.url}/v1/completions", timeout=60,
-                       headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": "1"},
+                       headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": fleet.gateway.admin_token},
                        json={"model": MODEL, "prompt": f"{word} " * 12, "max_tokens": 1})  # fmt: skip
         spread.add(r.headers["x-kvfleet-replica"])
         routes.append(r.headers["x-kvfleet-route"])

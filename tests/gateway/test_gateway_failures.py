@@ -22,7 +22,7 @@ def sdk(gateway, key: str) -> openai.OpenAI:
 
 def ask(gateway, key: str, prompt: str = "hello", **kw) -> httpx.Response:
     return httpx.post(f"{gateway.url}/v1/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": "1"},
+                      headers={"Authorization": f"Bearer {key}", "x-kvfleet-debug": gateway.admin_token},
                       json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **kw})  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from kvfleet_common.openai_protocol import (
     TokenizeResponse,
     error_body,
 )
+from kvfleet_common.request_limits import BoundedJsonRoute
 from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_engine.async_llm import AsyncLLM
 from kvfleet_engine.server.metrics import EngineMetrics
@@ -56,6 +57,8 @@ def require_admin(request: Request) -> None:
     admin_token = request.app.state.admin_token
     if not admin_token:
         raise ApiError(403, "admin endpoints are disabled: start the server with --admin-token")
+    if len(request.headers.getlist("authorization")) > 1:
+        raise ApiError(400, "more than one Authorization header: send exactly one", code="invalid_request")
     if not bearer_matches(request, admin_token):
         raise ApiError(
             401,
@@ -101,6 +104,7 @@ def build_app(
     app.state.serving = serving
     app.state.draining = False
     app.state.admin_token = admin_token
+    app.router.route_class = BoundedJsonRoute  # JSON nesting bounded before FastAPI parses a body
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
@@ -125,13 +129,14 @@ def build_app(
         if body.model is not None:
             serving.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
+            serving.check_size([m.text() for m in body.messages], "messages")  # before rendering
             text = serving.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in body.messages],
                 body.add_generation_prompt, body.continue_final_message,
             )  # fmt: skip
-            ids = serving.tokenize_text(text, add_special_tokens=False)
+            ids = await serving.tokenize_text(text, add_special_tokens=False)
         else:
-            ids = serving.tokenize_text(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await serving.tokenize_text(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.config.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

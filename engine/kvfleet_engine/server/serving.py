@@ -3,6 +3,10 @@
 One HTTP request may hold several prompts (completions with a list of prompts) and several
 samples per prompt (``n``): choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response.
 All prompts are validated before any reaches the engine, so a bad one leaves nothing behind.
+
+The event loop serves every client, so the work a request can put on it is bounded: every prompt's size
+is checked against what the context can hold before anything is tokenized, long texts are tokenized in a
+worker thread, and ``max_tokens`` must fit the context with the prompt (``kvfleet_common.request_limits``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvfleet_common.openai_protocol import (
     Usage,
     error_body,
 )
+from kvfleet_common.request_limits import TextBound, clip, context_problem, encode_off_loop
 from kvfleet_common.tracing import start_request_span
 from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbortedError
 from kvfleet_engine.core_client import EngineDeadError
@@ -100,13 +105,14 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+        self.text_bound = TextBound.of(self.tokenizer)
 
     # ---- checks ----------------------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ApiError(
-                404, f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+                404, f"the model {clip(name)} does not exist (this server serves {self.model_name!r})",
                 param="model", code="model_not_found",
             )  # fmt: skip
 
@@ -130,13 +136,25 @@ class OpenAIServing:
             raise ApiError(400, str(e), code="invalid_request") from None
 
     def _validate_prompt(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        n = len(prompt.token_ids)
+        problem = context_problem(n, params.max_tokens, params.min_tokens, self.max_model_len) if n else None
+        if problem is not None:
+            raise ApiError(400, problem[0], param=problem[1], code="context_length_exceeded")
         try:
             self.engine.input_processor.process("validate", prompt.token_ids, params)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt", code="invalid_prompt") from None
 
-    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def check_size(self, texts: list[str], param: str) -> None:
+        """400 for text that cannot fit the context whatever it tokenizes to (before tokenizing it)."""
+        problem = self.text_bound.problem(texts, self.max_model_len)
+        if problem is not None:
+            raise ApiError(400, problem, param=param, code="context_length_exceeded")
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; long texts are tokenized in a worker thread (the loop serves others)."""
+        self.check_size([text], "prompt")
+        return await encode_off_loop(self.tokenizer, text, add_special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool
@@ -158,10 +176,13 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_available()
         params = self._params(req.sampling_kwargs(req.max_tokens, req.logprobs))
+        for p in req.prompts():  # every one, before any is tokenized
+            if isinstance(p, str):
+                self.check_size([p], "prompt")
         prompts = []
         for p in req.prompts():
             if isinstance(p, str):
-                prompts.append(PreparedPrompt(p, self.tokenize_text(p)))
+                prompts.append(PreparedPrompt(p, await self.tokenize_text(p)))
             else:
                 prompts.append(PreparedPrompt(None, list(p)))
         for p in prompts:
@@ -178,10 +199,11 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_available()
         params = self._params(req.sampling_kwargs(req.effective_max_tokens, req.num_logprobs))
-        text = self.apply_chat_template(
-            req.template_messages(), req.add_generation_prompt, req.continue_final_message
-        )
-        prompt = PreparedPrompt(text, self.tokenize_text(text, add_special_tokens=False))
+        messages = req.template_messages()
+        self.check_size([m["content"] for m in messages], "messages")  # before rendering the template
+        text = self.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message)
+        self.check_size([text], "messages")
+        prompt = PreparedPrompt(text, await self.tokenize_text(text, add_special_tokens=False))
         self._validate_prompt(prompt, params)
         rec = _record(raw, "chat", "chatcmpl")
         rec.prompt_tokens = len(prompt.token_ids)
