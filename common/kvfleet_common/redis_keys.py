@@ -22,8 +22,9 @@ kvf:tenants                            set     none               operator    te
 kvf:tenant:<tenant>                    string  none               operator    JSON schemas.TenantRecord
 kvf:tenant:<tenant>:keys               hash    none               operator    key id -> SHA-256 hex of the API key
 kvf:apikey:<sha256_hex>                string  none               operator    tenant name owning the key
-kvf:ratelimit:<tenant>:<minute>        hash    120 s              gateway     {requests, tokens} used in that minute
+kvf:ratelimit:<tenant>:<minute>        hash    120 s              gateway     {requests, tokens} reserved/used that minute
 kvf:usage:<tenant>                     hash    none               gateway     cumulative requests and tokens
+kvf:inflight:<tenant>                  zset    lease TTL (~10 s)  gateway     concurrency leases -> lease expiry (unix ms)
 kvf:gateways                           zset    none (pruned)      gateway     gateway id -> time of its last load report
 kvf:gateway:<gateway_id>:load          hash    10 s (refreshed)   gateway     that gateway's in-flight load per replica/tenant
 =====================================  ======  =================  ==========  =========================================
@@ -49,10 +50,14 @@ RATELIMIT_TTL_S = 120  # the current and the previous window stay readable
 GATEWAY_LOAD_TTL_S = 10.0
 """A gateway reports its in-flight load at least every ~1 s; a gateway silent this long is gone, and
 so is what it held (no counter leaks when a gateway dies with requests in flight)."""
+LEASE_TTL_S = 10.0
+"""A concurrency lease (``inflight``) lives this long unless its gateway renews it (every ~1 s while the
+request runs): a gateway that dies with requests in flight holds their slots at most this long."""
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252}")
 _REPLICA_ID_RE = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._/@+=-]{0,252})#(?P<epoch>[0-9]{1,20})")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
+_DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*")
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -65,6 +70,22 @@ def check_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
             f"invalid {what} {name!r}: use 1-253 letters, digits or ._/@+=- characters, starting with a letter or digit"
+        )
+    return name
+
+
+def check_tenant_name(name: str) -> str:
+    """Return ``name`` if a *new* tenant may take it, else raise ValueError.
+
+    The Tenant custom resource's rule (Kubernetes object names, RFC 1123 subdomains): dot-separated
+    labels of lowercase letters, digits and ``-``, each starting and ending with a letter or digit,
+    at most 63 characters per label and 253 in all. Such a name is one URL path segment of the admin
+    API and one key part. (``check_name`` stays the looser rule names already stored are read with.)
+    """
+    if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid tenant name {name!r}: use 1-253 lowercase letters, digits, '-' or '.' (like a "
+            "Kubernetes object name), starting and ending with a letter or digit"
         )
     return name
 
@@ -191,6 +212,13 @@ def usage(tenant_name: str) -> str:
     return f"{PREFIX}usage:{check_name(tenant_name, 'tenant')}"
 
 
+def inflight(tenant_name: str) -> str:
+    """ZSET lease id -> expiry (unix ms): the tenant's admitted requests in flight on every gateway.
+    Taken by ``admit`` in its round trip, renewed by the owning gateway's load reports, removed when the
+    request ends; an expired lease (its gateway died) is pruned by the next admission."""
+    return f"{PREFIX}inflight:{check_name(tenant_name, 'tenant')}"
+
+
 # ---- gateways ----------------------------------------------------------------------------------------
 
 
@@ -269,9 +297,11 @@ KEY_SPECS: tuple[KeySpec, ...] = (
     KeySpec("kvf:apikey:<sha256_hex>", "string", "none", "operator", "gateway",
             "tenant name owning the API key with this SHA-256"),
     KeySpec("kvf:ratelimit:<tenant>:<minute>", "hash", f"{RATELIMIT_TTL_S} s", "gateway", "gateway",
-            "{requests, tokens} the tenant used in that minute"),
+            "{requests, tokens} the tenant used in that minute (tokens reserved at admission, then settled)"),
     KeySpec("kvf:usage:<tenant>", "hash", "none; deleted with the tenant", "gateway", "gateway (admin usage)",
             "cumulative requests / prompt, completion and cached tokens, also per model (<model>|<counter>)"),
+    KeySpec("kvf:inflight:<tenant>", "zset", f"{LEASE_TTL_S:g} s, refreshed by the gateways' reports", "gateway",
+            "gateway", "concurrency leases of the tenant's requests in flight -> lease expiry (unix ms)"),
     KeySpec("kvf:gateways", "zset", "none; members older than the load TTL pruned", "gateway", "gateway",
             "gateway id -> unix time of its last load report"),
     KeySpec("kvf:gateway:<gateway_id>:load", "hash", f"{GATEWAY_LOAD_TTL_S:g} s, refreshed every ~1 s", "gateway",

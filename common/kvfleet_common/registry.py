@@ -13,6 +13,9 @@ Invariants kept here:
 - the block set changes only through scripts that first check the heartbeat exists and that the
   events continue the sequence the index already reflects (``kv_seq_applied``); otherwise the
   writer is told to resync, so the index is either exact or known to be behind;
+- admission checks and takes in one script (request counted, tokens reserved, concurrency lease taken),
+  so no burst gets past a limit; a lease expires unless its gateway renews it, so a dead gateway leaks
+  no slot;
 - work proportional to a large set never runs as one blocking command: sets are deleted with
   ``UNLINK`` (freed in the background) and uploaded in chunks.
 
@@ -306,14 +309,26 @@ if not name then return false end
 return redis.call('GET', ARGV[1] .. 'tenant:' .. name)
 """
 
-# KEYS: tenant, tenant keys, tenants, usage. ARGV: tenant, key prefix. -> 1 if the tenant existed.
+# KEYS: tenant, tenants. ARGV: record JSON, tenant, mode ('create' | 'update' | 'upsert').
+# -> 1 created, 2 replaced, 0 refused (create: the name exists; update: it does not).
+_PUT_TENANT = """
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if (ARGV[3] == 'create' and exists) or (ARGV[3] == 'update' and not exists) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+if exists then return 2 end
+return 1
+"""
+
+# KEYS: tenant, tenant keys, tenants, usage, concurrency leases. ARGV: tenant, key prefix.
+# -> 1 if the tenant existed.
 _DELETE_TENANT = """
 for _, h in ipairs(redis.call('HVALS', KEYS[2])) do
   local k = ARGV[2] .. 'apikey:' .. h
   if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
 end
 local existed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5])
 redis.call('SREM', KEYS[3], ARGV[1])
 return existed
 """
@@ -337,30 +352,38 @@ return 1
 
 # The gateway's one round trip per request: admission (tenant limits) + routing facts (prefix match and
 # the other gateways' in-flight load per candidate replica).
-# KEYS: gateways zset, the tenant's rate-limit window of this minute, model activity, the previous minute's.
-# ARGV: 1 key prefix, 2 own gateway id, 3 now, 4 load ttl s, 5 tenant, 6 requests/min (0 = none),
-#       7 tokens/min, 8 max concurrent, 9 the tenant's in-flight requests on this gateway, 10 window ttl,
+# KEYS: gateways zset, the tenant's rate-limit window of this minute, model activity, the previous minute's,
+#       the tenant's concurrency leases (zset lease id -> expiry, unix ms).
+# ARGV: 1 key prefix, 2 own gateway id, 3 now (s), 4 load ttl s, 5 now (ms), 6 requests/min (0 = none),
+#       7 tokens/min, 8 max concurrent, 9 lease id to take ('' = none), 10 window ttl,
 #       11 weight of the previous minute (the part of it still inside the sliding minute),
-#       12 number of candidates, 13 max match chunk, then candidate replica ids, then block hashes.
+#       12 number of candidates, 13 max match chunk, 14 tokens to reserve, 15 lease TTL (ms),
+#       16 number of released leases, then the released lease ids (this gateway's finished requests whose
+#       leases are still in Redis), then candidate replica ids, then block hashes.
 # -> {'ok', matched, inflight, pending} per candidate (other gateways' load only), or
 #    {reason, used, this minute's count, previous minute's count} when refused ('concurrency' | 'requests' |
-#    'tokens'); nothing is counted for a refused request.
+#    'tokens'); nothing is counted, reserved or leased for a refused request. Admitted: the request counted,
+#    its tokens reserved in this minute's window and its lease taken, all in this one atomic call.
 _ADMIT = """
 local p = ARGV[1]
+local nrel, nc, max_chunk = tonumber(ARGV[16]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local first_cand = 17 + nrel
+local first_hash = first_cand + nc
 local loads = {}
 for _, g in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], tonumber(ARGV[3]) - tonumber(ARGV[4]), '+inf')) do
   if g ~= ARGV[2] then loads[#loads + 1] = p .. 'gateway:' .. g .. ':load' end
 end
+if nrel > 0 then redis.call('ZREM', KEYS[5], unpack(ARGV, 17, first_cand - 1)) end
 local max_conc = tonumber(ARGV[8])
 if max_conc > 0 then
-  local n = tonumber(ARGV[9])
-  for _, k in ipairs(loads) do n = n + tonumber(redis.call('HGET', k, 't:' .. ARGV[5]) or '0') end
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[5])
+  local n = redis.call('ZCARD', KEYS[5])
   if n >= max_conc then return {'concurrency', n, 0, 0} end
 end
 local used = redis.call('HMGET', KEYS[2], 'requests', 'tokens')
 local before = redis.call('HMGET', KEYS[4], 'requests', 'tokens')
-local reqs, toks = tonumber(used[1] or '0'), tonumber(used[2] or '0')
-local prev_reqs, prev_toks = tonumber(before[1] or '0'), tonumber(before[2] or '0')
+local reqs, toks = tonumber(used[1] or '0'), math.max(0, tonumber(used[2] or '0'))
+local prev_reqs, prev_toks = tonumber(before[1] or '0'), math.max(0, tonumber(before[2] or '0'))
 local w = tonumber(ARGV[11])
 local est_reqs, est_toks = reqs + prev_reqs * w, toks + prev_toks * w
 if tonumber(ARGV[6]) > 0 and est_reqs + 1 > tonumber(ARGV[6]) then
@@ -370,13 +393,16 @@ if tonumber(ARGV[7]) > 0 and est_toks >= tonumber(ARGV[7]) then
   return {'tokens', math.floor(est_toks), toks, prev_toks}
 end
 redis.call('HINCRBY', KEYS[2], 'requests', 1)
+if tonumber(ARGV[14]) > 0 then redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[14]) end
 redis.call('EXPIRE', KEYS[2], ARGV[10])
+if ARGV[9] ~= '' then
+  redis.call('ZADD', KEYS[5], tonumber(ARGV[5]) + tonumber(ARGV[15]), ARGV[9])
+  redis.call('PEXPIRE', KEYS[5], ARGV[15])
+end
 redis.call('SET', KEYS[3], ARGV[3])
-local nc, max_chunk = tonumber(ARGV[12]), tonumber(ARGV[13])
-local first_hash = 14 + nc
 local matched, inflight, pending, fields = {}, {}, {}, {}
 for i = 1, nc do
-  local id = ARGV[13 + i]
+  local id = ARGV[first_cand + i - 1]
   local set = p .. 'replica:' .. id .. ':blocks'
   local n, pos, done, chunk = 0, first_hash, false, 16
   while pos <= #ARGV and not done do
@@ -426,6 +452,7 @@ LIST_MODELS, ADMIT = Script(_LIST_MODELS), Script(_ADMIT)
 TENANT_FOR_KEY, DELETE_TENANT, PURGE_MODEL, RELEASE_LOCK = map(
     Script, (_TENANT_FOR_KEY, _DELETE_TENANT, _PURGE_MODEL, _RELEASE_LOCK)
 )
+PUT_TENANT = Script(_PUT_TENANT)
 
 
 # ---- round trips ------------------------------------------------------------------------------------
@@ -645,11 +672,20 @@ def op_list_models() -> Op:
     return sorted(_text(m) for m in members)
 
 
-def op_put_tenant(record: TenantRecord) -> Op:
-    yield Batch(
-        [("SET", keys.tenant(record.name), encode_json(record)), ("SADD", keys.tenants(), record.name)],
-        transaction=True,
+TenantWrite = Literal["create", "update", "upsert"]
+
+
+def op_put_tenant(record: TenantRecord, mode: TenantWrite = "upsert") -> Op:
+    """Write the record: ``create`` only if the name is free, ``update`` only if it exists, ``upsert``
+    either way. Returns 1 created, 2 replaced, 0 refused. New names must pass ``check_tenant_name``."""
+    if mode not in ("create", "update", "upsert"):
+        raise ValueError(f"unknown tenant write mode {mode!r}")
+    if mode != "update":
+        keys.check_tenant_name(record.name)
+    status = yield Eval(
+        PUT_TENANT, [keys.tenant(record.name), keys.tenants()], [encode_json(record), record.name, mode]
     )
+    return int(status)
 
 
 def op_get_tenant(name: str) -> Op:
@@ -669,7 +705,7 @@ def op_list_tenants() -> Op:
 def op_delete_tenant(name: str) -> Op:
     existed = yield Eval(
         DELETE_TENANT,
-        [keys.tenant(name), keys.tenant_keys(name), keys.tenants(), keys.usage(name)],
+        [keys.tenant(name), keys.tenant_keys(name), keys.tenants(), keys.usage(name), keys.inflight(name)],
         [name, keys.PREFIX],
     )
     return bool(existed)
@@ -792,15 +828,20 @@ def op_record_usage(tenant_name: str, requests: int, tokens: int, now: float | N
 class Admission:
     """What the gateway asks Redis before proxying one request (see ``op_admit``).
 
-    ``local_tenant_inflight`` is the tenant's requests in flight on the asking gateway: it knows its own
-    count exactly, Redis holds the others' (reported by ``op_report_gateway``)."""
+    ``lease``: a fresh id (unique fleet-wide) for the request's concurrency slot, taken in
+    ``kvf:inflight:<tenant>`` by the same atomic call that checks the limit ('' when the tenant has no
+    ``max_concurrent``). ``reserve_tokens``: the request's estimate (prompt + most completion tokens),
+    reserved in the tokens/min window at admission and settled by ``op_report_gateway``. ``released``:
+    leases of this tenant the asking gateway already released and has not removed yet; removed first."""
 
     gateway_id: str
     tenant: TenantRecord
-    local_tenant_inflight: int
     model: str
     candidates: Sequence[str]  # replica ids
     block_hashes: Sequence[bytes]
+    lease: str = ""
+    reserve_tokens: int = 0
+    released: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -813,6 +854,7 @@ class AdmitResult:
     refused: str | None
     used: int = 0  # when refused: the count that hit the limit (the sliding minute's estimate)
     window: tuple[int, int] = (0, 0)  # when refused by a rate: (this minute's, the previous minute's) count
+    minute: int = 0  # the rate-limit minute the request was counted (and its tokens reserved) in
     matched_blocks: tuple[int, ...] = ()
     inflight: tuple[int, ...] = ()
     pending_tokens: tuple[int, ...] = ()
@@ -838,6 +880,15 @@ def rate_retry_after(limit: int, window: tuple[int, int], now: float, need: int 
 
 
 @dataclass(frozen=True, slots=True)
+class Reservation:
+    """Tokens one admitted request reserved in its tenant's tokens/min window of ``minute``."""
+
+    tenant: str
+    minute: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class UsageRecord:
     """Tokens one finished request used, charged to its tenant (and to the tokens/min window)."""
 
@@ -857,20 +908,23 @@ def op_admit(a: Admission, now: float | None) -> Op:
     minute, into = divmod(now, keys.RATELIMIT_WINDOW_S)
     keys.check_name(a.gateway_id, "gateway id")
     candidates = [keys.parse_replica_id(r) and r for r in a.candidates]
+    released = list(a.released)
     reply = yield Eval(
         ADMIT,
         [keys.gateways(), keys.ratelimit(t.name, int(minute)), keys.model_activity(a.model),
-         keys.ratelimit(t.name, int(minute) - 1)],
-        [keys.PREFIX, a.gateway_id, repr(now), keys.GATEWAY_LOAD_TTL_S, t.name, t.requests_per_minute or 0,
-         t.tokens_per_minute or 0, t.max_concurrent or 0, int(a.local_tenant_inflight), keys.RATELIMIT_TTL_S,
-         repr(1.0 - into / keys.RATELIMIT_WINDOW_S), len(candidates), MATCH_CHUNK, *candidates,
-         *_check_hashes(a.block_hashes)],
+         keys.ratelimit(t.name, int(minute) - 1), keys.inflight(t.name)],
+        [keys.PREFIX, a.gateway_id, repr(now), keys.GATEWAY_LOAD_TTL_S, int(now * 1000), t.requests_per_minute or 0,
+         t.tokens_per_minute or 0, t.max_concurrent or 0, a.lease, keys.RATELIMIT_TTL_S,
+         repr(1.0 - into / keys.RATELIMIT_WINDOW_S), len(candidates), MATCH_CHUNK, max(0, int(a.reserve_tokens)),
+         _ttl_ms(keys.LEASE_TTL_S), len(released), *released, *candidates, *_check_hashes(a.block_hashes)],
     )  # fmt: skip
     status = _text(reply[0])
     if status != "ok":
         return AdmitResult(refused=status, used=int(reply[1]), window=(int(reply[2]), int(reply[3])))
     matched, inflight, pending = (tuple(int(x) for x in part) for part in reply[1:4])
-    return AdmitResult(None, matched_blocks=matched, inflight=inflight, pending_tokens=pending)
+    return AdmitResult(
+        None, minute=int(minute), matched_blocks=matched, inflight=inflight, pending_tokens=pending
+    )
 
 
 def op_report_gateway(
@@ -879,9 +933,16 @@ def op_report_gateway(
     tenant_inflight: Mapping[str, int],
     usage: Sequence[UsageRecord],
     now: float | None,
+    leases: Mapping[str, Iterable[str]] | None = None,
+    released: Mapping[str, Iterable[str]] | None = None,
+    refunds: Sequence[Reservation] = (),
 ) -> Op:
-    """One pipeline: replace this gateway's load hash (absolute values; TTL refreshed), mark it alive, and
-    add finished requests' usage to the tenants' counters and tokens/min windows."""
+    """One pipeline: replace this gateway's load hash (absolute values; TTL refreshed), mark it alive,
+    renew its live concurrency leases (``leases``: tenant -> ids; ``ZADD XX``, so a lease removed
+    meanwhile is never revived), remove released ones (``released``), and settle finished requests:
+    their real usage is added to the tenants' counters and to the tokens/min window of this minute,
+    their reservations (``refunds``) are taken back from the window they were made in (skipped once
+    that window is older than the previous minute: it no longer counts)."""
     now = time.time() if now is None else float(now)
     load_key = keys.gateway_load(gateway_id)
     fields: list[Any] = []
@@ -899,7 +960,20 @@ def op_report_gateway(
         ("ZADD", keys.gateways(), repr(now), gateway_id),
         ("ZREMRANGEBYSCORE", keys.gateways(), "-inf", repr(now - 6 * keys.GATEWAY_LOAD_TTL_S)),
     ]
+    for tenant, ids in sorted((released or {}).items()):
+        if ids := sorted(ids):
+            cmds.append(("ZREM", keys.inflight(tenant), *ids))
+    expiry = int(now * 1000) + _ttl_ms(keys.LEASE_TTL_S)
+    for tenant, ids in sorted((leases or {}).items()):
+        if ids := sorted(ids):
+            k = keys.inflight(tenant)
+            cmds += [("ZADD", k, "XX", *(x for i in ids for x in (expiry, i))),
+                     ("PEXPIRE", k, _ttl_ms(keys.LEASE_TTL_S))]  # fmt: skip
     minute = int(now // keys.RATELIMIT_WINDOW_S)  # the tokens/min window of the minute requests finished in
+    window_tokens: dict[tuple[str, int], int] = {}
+    for r in refunds:
+        if r.minute >= minute - 1 and r.tokens:
+            window_tokens[r.tenant, r.minute] = window_tokens.get((r.tenant, r.minute), 0) - int(r.tokens)
     for tenant, models in _usage_totals(usage).items():
         k = keys.usage(tenant)
         tenant_total = [0] * len(USAGE_COUNTERS)
@@ -909,9 +983,11 @@ def op_report_gateway(
                 tenant_total[i] += n
                 cmds.append(("HINCRBY", k, f"{prefix}|{name}", n))
         cmds += [("HINCRBY", k, name, n) for name, n in zip(USAGE_COUNTERS, tenant_total)]
-        w = keys.ratelimit(tenant, minute)
-        cmds += [("HINCRBY", w, "tokens", tenant_total[1] + tenant_total[2]),  # prompt + completion
-                 ("EXPIRE", w, keys.RATELIMIT_TTL_S)]  # fmt: skip
+        charged = tenant_total[1] + tenant_total[2]  # prompt + completion
+        window_tokens[tenant, minute] = window_tokens.get((tenant, minute), 0) + charged
+    for (tenant, m), n in window_tokens.items():
+        w = keys.ratelimit(tenant, m)
+        cmds += [("HINCRBY", w, "tokens", n), ("EXPIRE", w, keys.RATELIMIT_TTL_S)]
     yield Batch(cmds, transaction=True)
 
 
@@ -957,10 +1033,16 @@ def op_tenant_usage(names: Sequence[str], now: float | None) -> Op:
                 per_model.setdefault(model, dict.fromkeys(USAGE_COUNTERS, 0))[counter] = int(value)
             else:
                 total[name] = int(value)
-        window = {_text(k): int(v) for k, v in replies[2 * i + 1].items()}
+        window = {_text(k): max(0, int(v)) for k, v in replies[2 * i + 1].items()}
         out[n] = {"total": total, "models": per_model,
                   "this_minute": {"requests": window.get("requests", 0), "tokens": window.get("tokens", 0)}}  # fmt: skip
     return out
+
+
+def _status_is(op: Op, wanted: int | None) -> Op:
+    """The operation's integer status compared with ``wanted`` (None: no result)."""
+    status = yield from op
+    return None if wanted is None else status == wanted
 
 
 def _ttl_ms(ttl: float) -> int:
@@ -1041,8 +1123,23 @@ class _Registry:
         return self._run(op_list_models())
 
     # tenants
+    def create_tenant(self, record: TenantRecord) -> bool:
+        """Create the tenant only if the name is free (atomically): False if it exists. The name must
+        pass ``keys.check_tenant_name`` (ValueError)."""
+        return self._run(_status_is(op_put_tenant(record, "create"), 1))
+
+    def update_tenant(self, record: TenantRecord) -> bool:
+        """Replace an existing tenant's record (atomically): False, and nothing written, if it is gone."""
+        return self._run(_status_is(op_put_tenant(record, "update"), 2))
+
+    def upsert_tenant(self, record: TenantRecord) -> bool:
+        """Create or replace (the operator's sync: the Tenant resource is the source of truth). Returns
+        whether it was created. The name must pass ``keys.check_tenant_name`` (ValueError)."""
+        return self._run(_status_is(op_put_tenant(record, "upsert"), 1))
+
     def put_tenant(self, record: TenantRecord) -> None:
-        return self._run(op_put_tenant(record))
+        """``upsert_tenant``, ignoring whether it created the tenant."""
+        return self._run(_status_is(op_put_tenant(record, "upsert"), None))
 
     def get_tenant(self, name: str) -> TenantRecord | None:
         return self._run(op_get_tenant(name))
@@ -1117,10 +1214,19 @@ class _Registry:
         tenant_inflight: Mapping[str, int],
         usage: Sequence[UsageRecord] = (),
         now: float | None = None,
+        *,
+        leases: Mapping[str, Iterable[str]] | None = None,
+        released: Mapping[str, Iterable[str]] | None = None,
+        refunds: Sequence[Reservation] = (),
     ) -> None:
         """Publish a gateway's in-flight load (replica -> (requests, queued prompt tokens); tenant ->
-        requests) and charge finished requests' usage, in one round trip."""
-        return self._run(op_report_gateway(gateway_id, replica_load, tenant_inflight, usage, now))
+        requests), renew / remove its concurrency leases and settle finished requests (usage charged,
+        reservations refunded), in one round trip (see ``op_report_gateway``)."""
+        return self._run(
+            op_report_gateway(
+                gateway_id, replica_load, tenant_inflight, usage, now, leases, released, refunds
+            )
+        )
 
     def remove_gateway(self, gateway_id: str) -> None:
         return self._run(op_remove_gateway(gateway_id))

@@ -3,6 +3,13 @@
 Authenticated with ``Authorization: Bearer <admin token>`` (``--admin-token`` / ``KVFLEET_ADMIN_TOKEN``,
 the token the engines' admin endpoints take). API keys are shown once, at creation; Redis stores only
 their SHA-256.
+
+Tenant names follow the Tenant resource's rule (``redis_keys.check_tenant_name``: lowercase DNS-style,
+one URL path segment). ``POST /admin/tenants`` only ever creates (atomically: of concurrent creates of a
+name exactly one gets 201, the others 409); changes go through ``PATCH``. The operator writes tenants
+with ``Registry.upsert_tenant`` instead (the Tenant resource is the source of truth). The per-tenant
+routes also accept a name stored before the rule (one with ``/``), so such a tenant can still be read,
+changed, deleted and have its keys revoked.
 """
 
 from __future__ import annotations
@@ -42,7 +49,12 @@ def require_admin(request: Request) -> None:
 
 Admin = Annotated[None, Depends(require_admin)]
 Level = Annotated[int, Query(ge=1, le=2, description="1: offload weights to host memory; 2: discard them")]
-_Name = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/@+=-]*$")
+_TenantName = Field(
+    min_length=1,
+    max_length=253,
+    pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$",
+    description="lowercase letters, digits, '-' and '.', like a Kubernetes object name (the Tenant resource's)",
+)
 
 
 class TenantLimits(BaseModel):
@@ -57,7 +69,7 @@ class TenantLimits(BaseModel):
 
 
 class TenantCreate(TenantLimits):
-    name: str = _Name
+    name: str = _TenantName
 
 
 class TenantOut(BaseModel):
@@ -109,15 +121,19 @@ def build_admin_router() -> APIRouter:
     async def create_tenant(_: Admin, body: TenantCreate, request: Request) -> TenantCreated:
         st = state(request)
         reg = st.registry
-        if await reg.get_tenant(body.name) is not None:
-            raise ApiError(409, f"tenant {body.name!r} already exists", param="name", code="tenant_exists")
         fields = body.model_dump(exclude={"name"})
         if fields["cache_salt"] is None:  # default: the tenant's own cache, unguessable by others
             fields["cache_salt"] = secrets.token_hex(16)
         rec = _record(body.name, fields)
+        exists = ApiError(409, f"tenant {body.name!r} already exists", param="name", code="tenant_exists")
+        if not await reg.create_tenant(rec):  # atomic: one of concurrent creates wins
+            raise exists
         key, key_hash = new_api_key()
-        await reg.put_tenant(rec)
-        key_id = await reg.add_api_key(rec.name, key_hash)
+        try:
+            key_id = await reg.add_api_key(rec.name, key_hash)
+        except RegistryError:  # deleted again before its first key was added
+            raise ApiError(409, f"tenant {body.name!r} was deleted while being created", param="name",
+                           code="tenant_conflict") from None  # fmt: skip
         st.tenants.forget()
         return TenantCreated(name=rec.name, api_key=key, key_id=key_id)
 
@@ -138,33 +154,9 @@ def build_admin_router() -> APIRouter:
             raise ApiError(404, f"tenant {name!r} does not exist", code="tenant_not_found")
         return rec
 
-    @router.get("/tenants/{name}", response_model=TenantOut)
-    async def get_tenant(_: Admin, name: str, request: Request) -> TenantOut:
-        rec = await _get(request, name)
-        return _out(rec, list(await state(request).registry.list_api_keys(name)))
-
-    @router.patch("/tenants/{name}", response_model=TenantOut)
-    async def patch_tenant(_: Admin, name: str, body: TenantLimits, request: Request) -> TenantOut:
-        st = state(request)
-        rec = await _get(request, name)
-        changes = body.model_dump(exclude_unset=True)
-        if changes.get("cache_salt", "") is None:
-            del changes["cache_salt"]  # null keeps the salt (it cannot be read back, only replaced)
-        merged = {f: getattr(rec, f) for f in rec.__struct_fields__ if f != "name"} | changes
-        new = _record(name, merged)  # null limits are unlimited; null models/priority take the defaults
-        await st.registry.put_tenant(new)
-        st.tenants.forget(name)
-        return _out(new, list(await st.registry.list_api_keys(name)))
-
-    @router.delete("/tenants/{name}")
-    async def delete_tenant(_: Admin, name: str, request: Request) -> dict:
-        st = state(request)
-        await _get(request, name)
-        await st.registry.delete_tenant(name)
-        st.tenants.forget(name)
-        return {"name": name, "deleted": True}
-
-    @router.post("/tenants/{name}/keys", status_code=201, response_model=KeyCreated)
+    # The key routes come first: ``{name:path}`` (for names stored before the naming rule, with ``/``)
+    # would otherwise take ``acme/keys/<id>`` for a tenant name.
+    @router.post("/tenants/{name:path}/keys", status_code=201, response_model=KeyCreated)
     async def add_key(_: Admin, name: str, request: Request) -> KeyCreated:
         st = state(request)
         await _get(request, name)
@@ -176,7 +168,7 @@ def build_admin_router() -> APIRouter:
         st.tenants.forget()
         return KeyCreated(key_id=key_id, api_key=key)
 
-    @router.delete("/tenants/{name}/keys/{key_id}")
+    @router.delete("/tenants/{name:path}/keys/{key_id}")
     async def remove_key(_: Admin, name: str, key_id: str, request: Request) -> dict:
         st = state(request)
         await _get(request, name)
@@ -184,6 +176,33 @@ def build_admin_router() -> APIRouter:
             raise ApiError(404, f"tenant {name!r} has no key {key_id!r}", code="key_not_found")
         st.tenants.forget(name)
         return {"name": name, "key_id": key_id, "deleted": True}
+
+    @router.get("/tenants/{name:path}", response_model=TenantOut)
+    async def get_tenant(_: Admin, name: str, request: Request) -> TenantOut:
+        rec = await _get(request, name)
+        return _out(rec, list(await state(request).registry.list_api_keys(name)))
+
+    @router.patch("/tenants/{name:path}", response_model=TenantOut)
+    async def patch_tenant(_: Admin, name: str, body: TenantLimits, request: Request) -> TenantOut:
+        st = state(request)
+        rec = await _get(request, name)
+        changes = body.model_dump(exclude_unset=True)
+        if changes.get("cache_salt", "") is None:
+            del changes["cache_salt"]  # null keeps the salt (it cannot be read back, only replaced)
+        merged = {f: getattr(rec, f) for f in rec.__struct_fields__ if f != "name"} | changes
+        new = _record(name, merged)  # null limits are unlimited; null models/priority take the defaults
+        if not await st.registry.update_tenant(new):  # never recreates a tenant deleted meanwhile
+            raise ApiError(404, f"tenant {name!r} does not exist", code="tenant_not_found")
+        st.tenants.forget(name)
+        return _out(new, list(await st.registry.list_api_keys(name)))
+
+    @router.delete("/tenants/{name:path}")
+    async def delete_tenant(_: Admin, name: str, request: Request) -> dict:
+        st = state(request)
+        await _get(request, name)
+        await st.registry.delete_tenant(name)
+        st.tenants.forget(name)
+        return {"name": name, "deleted": True}
 
     # ---- models, usage -------------------------------------------------------------------------------
 

@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis
 from test_redis_registry import BS, MODEL, CountingConnection, register
 from test_redis_registry import reg as reg  # the fixture
 
 from kvfleet_common import redis_keys as keys
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import Admission, Registry, UsageRecord, op_report_gateway, rate_retry_after
+from kvfleet_common.registry import (
+    Admission,
+    AsyncRegistry,
+    Registry,
+    Reservation,
+    UsageRecord,
+    op_report_gateway,
+    rate_retry_after,
+)
 from kvfleet_common.schemas import TenantRecord
 
 NOW = 1_800_000_000.0  # the start of a rate-limit minute
 
 
-def admission(tenant: TenantRecord, candidates=(), hashes=(), local=0, gw="gw-a") -> Admission:
-    return Admission(gw, tenant, local, MODEL, list(candidates), list(hashes))
+def admission(
+    tenant: TenantRecord, candidates=(), hashes=(), gw="gw-a", lease="", reserve=0, released=()
+) -> Admission:
+    return Admission(gw, tenant, MODEL, list(candidates), list(hashes), lease, reserve, list(released))
+
+
+def leases(reg: Registry, tenant: str = "acme") -> set[str]:
+    return {m.decode() for m in reg.client.zrange(keys.inflight(tenant), 0, -1)}
 
 
 def test_admit_counts_requests_and_refuses_over_the_minute_limit(reg):
@@ -49,8 +65,11 @@ def test_retry_after_of_the_sliding_minute():
 
 def test_tokens_per_minute_are_charged_from_reported_usage(reg):
     t = TenantRecord(name="acme", tokens_per_minute=100)
-    assert reg.admit(admission(t), now=NOW).refused is None
-    reg.report_gateway("gw-a", {}, {}, [UsageRecord("acme", MODEL, 60, 40, cached_tokens=16)], now=NOW + 1)
+    admitted = reg.admit(admission(t, reserve=150), now=NOW)  # larger than the budget: still admitted alone
+    assert (admitted.refused, admitted.minute) == (None, int(NOW // 60))
+    assert reg.tenant_usage(["acme"], now=NOW)["acme"]["this_minute"] == {"requests": 1, "tokens": 150}
+    reg.report_gateway("gw-a", {}, {}, [UsageRecord("acme", MODEL, 60, 40, cached_tokens=16)], now=NOW + 1,
+                       refunds=[Reservation("acme", admitted.minute, 150)])  # fmt: skip
     refused = reg.admit(admission(t), now=NOW + 2)
     assert (refused.refused, refused.used) == ("tokens", 100)
     usage = reg.tenant_usage(["acme"], now=NOW + 2)["acme"]
@@ -87,17 +106,88 @@ def test_a_report_sums_many_finished_requests_into_one_increment_per_counter(reg
     }
 
 
-def test_concurrency_sums_live_gateways_and_the_local_count(reg):
-    t = TenantRecord(name="acme", max_concurrent=3)
-    reg.report_gateway("gw-b", {}, {"acme": 2}, now=NOW)
-    assert reg.admit(admission(t, local=0), now=NOW).refused is None
-    refused = reg.admit(admission(t, local=1), now=NOW)
-    assert (refused.refused, refused.used) == ("concurrency", 3)
-    # the asking gateway's own report is not double counted: it passes its exact local count instead
-    reg.report_gateway("gw-a", {}, {"acme": 1}, now=NOW)
-    assert reg.admit(admission(t, local=0), now=NOW).refused is None
-    # a gateway that stopped reporting no longer holds anything (its load TTL passed)
-    assert reg.admit(admission(t, local=1), now=NOW + keys.GATEWAY_LOAD_TTL_S + 1).refused is None
+def test_tokens_are_reserved_at_admission_and_settled_to_real_usage(reg):
+    t = TenantRecord(name="acme", tokens_per_minute=100)
+    minute = int(NOW // 60)
+    # admitted while the window is under the limit, each reserving its estimate: the burst overruns the
+    # budget by less than one estimate (4 x 30 = 120 < 100 + 30), and the 5th is refused
+    results = [reg.admit(admission(t, reserve=30), now=NOW + i) for i in range(5)]
+    assert [r.refused for r in results] == [None] * 4 + ["tokens"]
+    assert (results[4].used, results[4].window) == (120, (120, 0))
+    window = lambda m: int(reg.client.hget(keys.ratelimit("acme", m), "tokens") or 0)  # noqa: E731
+    assert window(minute) == 120
+    # settled: real usage charged, reservations handed back -> the window holds exactly the real usage
+    used = [UsageRecord("acme", MODEL, 5, 7)] * 3  # 36 tokens
+    reg.report_gateway("gw-a", {}, {}, used, now=NOW + 10, refunds=[Reservation("acme", minute, 30)] * 3)
+    assert window(minute) == 30 + 36  # the fourth request is still running: its reservation stands
+    assert reg.admit(admission(t, reserve=30), now=NOW + 11).refused is None
+    # a reservation made last minute is taken back from last minute's window, the usage charged to this one
+    reg.report_gateway("gw-a", {}, {}, [UsageRecord("acme", MODEL, 1, 1)], now=NOW + 61,
+                       refunds=[Reservation("acme", minute, 30)])  # fmt: skip
+    assert (window(minute), window(minute + 1)) == (30 + 36 + 30 - 30, 2)
+    # a reservation older than the sliding minute no longer counts: its refund is dropped, not misapplied
+    reg.report_gateway("gw-a", {}, {}, [], now=NOW + 125, refunds=[Reservation("acme", minute, 30)])
+    assert window(minute + 2) == 0 and window(minute + 1) == 2
+    assert reg.tenant_usage(["acme"], now=NOW + 61)["acme"]["total"]["prompt_tokens"] == 5 * 3 + 1
+
+
+def test_concurrency_leases_are_taken_in_the_admission_and_released_once(reg):
+    t = TenantRecord(name="acme", max_concurrent=2)
+    assert reg.admit(admission(t, lease="gw-a/1"), now=NOW).refused is None
+    assert reg.admit(admission(t, lease="gw-b/1", gw="gw-b"), now=NOW).refused is None
+    refused = reg.admit(admission(t, lease="gw-a/2"), now=NOW)
+    assert (refused.refused, refused.used) == ("concurrency", 2)
+    assert leases(reg) == {"gw-a/1", "gw-b/1"}  # a refused request takes nothing
+    # gw-a's finished request: removed by its next admission of the tenant, in the same round trip
+    assert reg.admit(admission(t, lease="gw-a/3", released=["gw-a/1"]), now=NOW).refused is None
+    assert leases(reg) == {"gw-a/3", "gw-b/1"}
+    # ... or by its next report; a lease released twice frees one slot, never someone else's
+    reg.report_gateway("gw-b", {}, {}, now=NOW, released={"acme": ["gw-b/1", "gw-b/1"]})
+    reg.report_gateway("gw-b", {}, {}, now=NOW, released={"acme": ["gw-b/1"]})
+    assert leases(reg) == {"gw-a/3"}
+    assert reg.admit(admission(t, lease="gw-a/4"), now=NOW).refused is None
+    assert reg.admit(admission(t, lease="gw-a/5"), now=NOW).refused == "concurrency"
+
+
+def test_leases_of_a_gateway_that_stops_renewing_them_expire(reg):
+    t = TenantRecord(name="acme", max_concurrent=1)
+    ttl = keys.LEASE_TTL_S
+    assert reg.admit(admission(t, lease="gw-a/1"), now=NOW).refused is None
+    assert reg.admit(admission(t, lease="gw-b/1", gw="gw-b"), now=NOW + ttl - 1).refused == "concurrency"
+    # renewed by its gateway's report: still held after the first TTL
+    reg.report_gateway("gw-a", {}, {}, now=NOW + ttl - 1, leases={"acme": ["gw-a/1"]})
+    assert reg.admit(admission(t, lease="gw-b/1", gw="gw-b"), now=NOW + ttl + 1).refused == "concurrency"
+    # gw-a died: nobody renews, and the slot is free one TTL after the last renewal
+    assert reg.admit(admission(t, lease="gw-b/1", gw="gw-b"), now=NOW + 2 * ttl).refused is None
+    assert leases(reg) == {"gw-b/1"}
+    # a renewal racing the lease's removal never brings it back (ZADD XX)
+    reg.report_gateway("gw-a", {}, {}, now=NOW + 2 * ttl, leases={"acme": ["gw-a/1"]})
+    assert leases(reg) == {"gw-b/1"}
+    assert 0 < reg.client.pttl(keys.inflight("acme")) <= ttl * 1000
+
+
+def test_a_parallel_burst_takes_exactly_max_concurrent_leases(redis_server, reg):
+    t = TenantRecord(name="acme", max_concurrent=5)
+
+    async def burst(first: int) -> list[str | None]:
+        areg = AsyncRegistry.from_url(redis_server.url)
+        try:
+            admissions = [admission(t, lease=f"gw-{i % 3}/{first + i}", gw=f"gw-{i % 3}") for i in range(30)]
+            return [r.refused for r in await asyncio.gather(*(areg.admit(a) for a in admissions))]
+        finally:
+            await areg.aclose()
+
+    refused = asyncio.run(burst(0))
+    assert refused.count(None) == 5 and set(refused) == {None, "concurrency"}
+    held = leases(reg)
+    assert len(held) == 5
+    by_gateway = {}
+    for lease in held:
+        by_gateway.setdefault(lease.split("/")[0], []).append(lease)
+    for gw, ids in by_gateway.items():  # every gateway releases its own
+        reg.report_gateway(gw, {}, {}, released={"acme": ids})
+    assert leases(reg) == set()
+    assert asyncio.run(burst(100)).count(None) == 5
 
 
 def test_admit_reports_prefix_matches_and_other_gateways_load(reg):
@@ -126,12 +216,15 @@ def test_admit_is_one_round_trip(redis_server, reg):
     counted = Registry(redis.Redis(connection_pool=pool))
     counted.client.ping()
     t = TenantRecord(name="acme", requests_per_minute=1000, tokens_per_minute=10**6, max_concurrent=10)
-    counted.admit(admission(t, ["r-0#1"], hashes))  # loads the script
+    counted.admit(admission(t, ["r-0#1"], hashes, lease="gw-a/1", reserve=9))  # loads the script
     CountingConnection.sends = 0
-    assert counted.admit(admission(t, ["r-0#1"], hashes)).matched_blocks == (64,)
+    admitted = counted.admit(admission(t, ["r-0#1"], hashes, lease="gw-a/2", reserve=9, released=["gw-a/1"]))
+    assert admitted.matched_blocks == (64,)
     assert CountingConnection.sends == 1
     CountingConnection.sends = 0
-    counted.report_gateway("gw-a", {"r-0#1": (1, 5)}, {"acme": 1}, [UsageRecord("acme", MODEL, 1, 1)])
+    counted.report_gateway("gw-a", {"r-0#1": (1, 5)}, {"acme": 1}, [UsageRecord("acme", MODEL, 1, 1)],
+                           leases={"acme": ["gw-a/2"]}, released={"acme": ["gw-a/1"]},
+                           refunds=[Reservation("acme", admitted.minute, 9)])  # fmt: skip
     assert CountingConnection.sends == 1
     counted.close()
 
@@ -146,8 +239,9 @@ def test_a_gateway_report_replaces_its_previous_one_and_expires(reg):
 
 
 def test_deleting_a_tenant_deletes_its_usage(reg):
-    reg.put_tenant(TenantRecord(name="acme"))
+    reg.put_tenant(TenantRecord(name="acme", max_concurrent=1))
     reg.report_gateway("gw-a", {}, {}, [UsageRecord("acme", MODEL, 3, 4)])
+    assert reg.admit(admission(reg.get_tenant("acme"), lease="gw-a/1")).refused is None
     assert reg.tenant_usage(["acme"])["acme"]["total"]["requests"] == 1
     assert reg.delete_tenant("acme")
-    assert reg.client.exists(keys.usage("acme")) == 0
+    assert reg.client.exists(keys.usage("acme"), keys.inflight("acme")) == 0

@@ -28,6 +28,7 @@ EXAMPLE_KEYS = {
     "kvf:apikey:<sha256_hex>": keys.api_key(SHA),
     "kvf:ratelimit:<tenant>:<minute>": keys.ratelimit("acme", 28_333_333),
     "kvf:usage:<tenant>": keys.usage("acme"),
+    "kvf:inflight:<tenant>": keys.inflight("acme"),
     "kvf:gateways": keys.gateways(),
     "kvf:gateway:<gateway_id>:load": keys.gateway_load("gw-host-1234"),
 }

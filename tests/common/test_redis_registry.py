@@ -11,7 +11,14 @@ import redis.asyncio
 
 from kvfleet_common import redis_keys as keys
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import AsyncRegistry, Registry, RegistryError, SupersededError, UsageRecord
+from kvfleet_common.registry import (
+    Admission,
+    AsyncRegistry,
+    Registry,
+    RegistryError,
+    SupersededError,
+    UsageRecord,
+)
 from kvfleet_common.schemas import Heartbeat, ModelConfig, TenantRecord
 
 MODEL = "org/tiny-llama"
@@ -289,6 +296,36 @@ def test_tenant_crud_and_api_keys(reg):
     assert reg.client.keys("kvf:apikey:*") == [] and not reg.client.exists(keys.tenant_keys("acme"))
 
 
+def test_tenant_create_is_create_only_update_never_recreates_and_upsert_does_both(redis_server, reg):
+    acme = TenantRecord(name="acme", requests_per_minute=5)
+    assert reg.create_tenant(acme) is True
+    assert reg.create_tenant(TenantRecord(name="acme", requests_per_minute=99)) is False
+    assert reg.get_tenant("acme") == acme  # the refused create wrote nothing
+    assert reg.update_tenant(TenantRecord(name="acme", requests_per_minute=6)) is True
+    assert reg.update_tenant(TenantRecord(name="gone")) is False and reg.get_tenant("gone") is None
+    assert reg.upsert_tenant(TenantRecord(name="team-a.prod")) is True
+    assert reg.upsert_tenant(TenantRecord(name="team-a.prod", priority=2)) is False
+    assert [t.name for t in reg.list_tenants()] == ["acme", "team-a.prod"]
+    assert reg.get_tenant("team-a.prod").priority == 2
+    for bad in ["org/team", "Acme", "a_b", "a-", "a..b", "a.-b", "x" * 64]:  # all fine as key parts
+        with pytest.raises(ValueError, match="invalid tenant name"):
+            reg.create_tenant(TenantRecord(name=bad))
+        with pytest.raises(ValueError, match="invalid tenant name"):
+            reg.upsert_tenant(TenantRecord(name=bad))
+    assert reg.create_tenant(TenantRecord(name=".".join(["a" * 63] * 3))) is True  # labels of 63: fine
+
+    async def race() -> list[bool]:  # ten concurrent creates of one name: exactly one wins
+        areg = AsyncRegistry.from_url(redis_server.url)
+        try:
+            return await asyncio.gather(
+                *(areg.create_tenant(TenantRecord(name="racy", priority=i)) for i in range(10))
+            )
+        finally:
+            await areg.aclose()
+
+    assert sorted(asyncio.run(race())) == [False] * 9 + [True]
+
+
 def test_model_records_activity_tokenizer_and_locks(reg):
     cfg = ModelConfig(model=MODEL, routing_policy="round-robin", sleep_idle_seconds=60)
     reg.put_model_config(cfg)
@@ -338,6 +375,8 @@ def _full_scenario(reg: Registry) -> str:
     reg.add_api_key("acme", "ab" * 32)
     reg.record_usage("acme", 1, 10)
     reg.report_gateway("gw-1", {"m1-0#1": (1, 100)}, {"acme": 1}, [UsageRecord("acme", MODEL, 10, 5)])
+    limited = TenantRecord(name="acme", max_concurrent=2)
+    assert reg.admit(Admission("gw-1", limited, MODEL, [], [], lease="gw-1/1")).refused is None
     return rev
 
 
