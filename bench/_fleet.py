@@ -568,7 +568,7 @@ class SseClient:
             resp = await self._http.post(
                 self.base_url + path, json.dumps(body).encode(), {**self.headers, **(headers or {})}
             )
-        except (UpstreamConnectError, OSError) as e:
+        except (UpstreamConnectError, UpstreamReadError, OSError) as e:
             res.error = f"{type(e).__name__}: {e}"
             return res
         pending = bytearray()

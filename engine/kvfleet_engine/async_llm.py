@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvfleet_engine.config import EngineConfig
@@ -223,6 +223,13 @@ class AsyncLLM:
         err = EngineDeadError(reason)
         for live in self._live.values():
             live.collector.put(err)
+
+    def fail_requests(self, error: Callable[[], BaseException]) -> int:
+        """End every request in progress: its ``generate`` raises ``error()`` (the server's shutdown
+        deadline passed), and aborts its sequences in the core. Returns how many."""
+        for live in self._live.values():
+            live.collector.put(error())
+        return len(self._live)
 
     # ---- sleep / wake and friends ------------------------------------------------------------------
 

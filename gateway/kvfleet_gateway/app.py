@@ -7,7 +7,6 @@ load reporting), so any number of gateways can run side by side.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -19,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvfleet_common
 from kvfleet_common.gc_heap import freeze_long_lived
+from kvfleet_common.graceful import cancel_and_wait
 from kvfleet_common.http import BodySizeLimit, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
@@ -28,6 +28,7 @@ from kvfleet_common.openai_protocol import (
     ModelList,
 )
 from kvfleet_common.registry import AsyncRegistry
+from kvfleet_common.request_limits import BoundedJsonRoute
 from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_common.schemas import TenantRecord
 from kvfleet_gateway.admin import build_admin_router
@@ -90,13 +91,14 @@ def build_app(config: GatewayConfig) -> FastAPI:
                     len(fleet.models))  # fmt: skip
         try:
             yield
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-            await load.close()
+        finally:  # after the server's bounded drain (kvfleet_common.graceful); each step bounded too
+            http.cut("the gateway is shutting down")  # a response still relayed ends now, with an error event
+            for t in await cancel_and_wait(tasks, 1.0):
+                logger.warning("background task %s did not stop", t.get_name())
+            try:  # usage flushed, this gateway's load and leases removed from Redis
+                await asyncio.wait_for(load.close(), 2.0)
+            except TimeoutError:
+                logger.warning("could not flush usage and deregister from Redis within 2 s")
             await http.aclose()
             await registry.aclose()
 
@@ -108,6 +110,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.fast_path = config.fast_path
+    app.router.route_class = BoundedJsonRoute  # JSON nesting bounded before FastAPI parses a body
     app.state.config = config
     app.state.metrics = metrics
     install_error_handlers(app)

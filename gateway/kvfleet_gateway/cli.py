@@ -11,6 +11,8 @@ from kvfleet_gateway.routing import POLICIES
 
 # regexes searched in the URL (OpenTelemetry's excluded_urls)
 INSTRUMENTATION_EXCLUDED_URLS = "/health,/ready,/metrics,/v1/completions,/v1/chat/completions"
+# below Kubernetes' default terminationGracePeriodSeconds (30 s); the chart gives the pod this + 10 s
+SHUTDOWN_GRACE_S = 25.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
         "confirms it (0: trust only the index)",
     )
     p.add_argument(
+        "--upstream-read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds without a byte from a replica (a non-streaming answer comes whole, at its end) before "
+        "the request fails (504; a stream: an SSE error event); it is never sent to another replica, since the "
+        "first may still be running it",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=SHUTDOWN_GRACE_S,
+        help="seconds requests in flight get to finish after SIGTERM; then each stream still running ends with "
+        "an SSE error event and [DONE], and the gateway deregisters and exits within ~2 s more (keep it below "
+        f"the pod's terminationGracePeriodSeconds; default {SHUTDOWN_GRACE_S:g})",
+    )
+    p.add_argument(
         "--no-fast-path",
         dest="fast_path",
         action="store_false",
@@ -79,9 +97,13 @@ def main(argv: list[str]) -> int:
     if not args.redis_url:
         print("kvfleet gateway: --redis-url (or KVFLEET_REDIS_URL) is required")
         return 2
+    if not args.upstream_read_timeout > 0 or args.shutdown_grace < 0:
+        print("kvfleet gateway: --upstream-read-timeout must be positive, --shutdown-grace not negative")
+        return 2
     import uvicorn
 
     from kvfleet_common.gc_heap import mark_server_process
+    from kvfleet_common.graceful import BoundedShutdownServer
     from kvfleet_common.tracing import setup_tracing
     from kvfleet_gateway.app import build_app
     from kvfleet_gateway.config import GatewayConfig
@@ -98,7 +120,8 @@ def main(argv: list[str]) -> int:
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
             max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
             registry_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
-            registry_refresh_s=args.registry_refresh, fast_path=args.fast_path, **kw,
+            registry_refresh_s=args.registry_refresh, fast_path=args.fast_path,
+            upstream_read_timeout_s=args.upstream_read_timeout, **kw,
         )  # fmt: skip
     except ValueError as e:
         print(f"kvfleet gateway: {e}")
@@ -115,6 +138,11 @@ def main(argv: list[str]) -> int:
         )
     except ImportError:
         pass
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30, **uvicorn_connection_options(args))  # fmt: skip
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                               **uvicorn_connection_options(args))  # fmt: skip
+
+    def end_requests() -> None:  # past the grace period (docs/GATEWAY.md, "Shutdown")
+        app.state.http.cut(f"the shutdown grace period of {args.shutdown_grace:g} s is over")
+
+    BoundedShutdownServer(uv_config, args.shutdown_grace, end_requests).run()
     return 0

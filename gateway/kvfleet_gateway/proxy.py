@@ -17,13 +17,16 @@ error event followed by ``[DONE]``: the client always sees the stream end.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -33,22 +36,25 @@ from kvfleet_common import redis_keys
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.http import ApiError, client_request_id
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
-from kvfleet_common.registry import Admission, AdmitResult, UsageRecord, rate_retry_after
+from kvfleet_common.registry import Admission, AdmitResult, Reservation, UsageRecord, rate_retry_after
+from kvfleet_common.request_limits import clip, context_problem
 from kvfleet_common.schemas import Heartbeat, TenantRecord
 from kvfleet_common.tracing import inject_headers, start_request_span
 from kvfleet_gateway.config import GatewayConfig
 from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable, registry_unavailable
-from kvfleet_gateway.load import LoadTracker, Ticket
-from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.load import Lease, LoadTracker, Ticket
+from kvfleet_gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from kvfleet_gateway.recent_routes import RecentRoutes
-from kvfleet_gateway.relay import SseRelay
+from kvfleet_gateway.relay import SseRelay, disconnected
 from kvfleet_gateway.routing import Candidate, Decision, choose
-from kvfleet_gateway.tokenization import TokenizerCache, prompt_token_ids
+from kvfleet_gateway.tokenization import PromptTooLarge, TokenizerCache, bounded_prompt_token_ids
 from kvfleet_gateway.upstream import (
     Upstream,
     UpstreamConnectError,
+    UpstreamCut,
     UpstreamReadError,
     UpstreamResponse,
+    UpstreamTimeout,
 )
 from kvfleet_gateway.wake import Waker
 
@@ -73,6 +79,8 @@ class Routed:
     model: str
     started: float  # perf_counter at arrival (the fast path's entry, else the handler's)
     prompt_tokens: int | None = None
+    # the model's metric label and log name: the client's string only once the fleet knows it
+    model_label: str = UNKNOWN_MODEL
     block_hashes: list[bytes] = field(default_factory=list)
     decision: Decision | None = None
     replica: Candidate | None = None
@@ -85,6 +93,7 @@ class Routed:
     usage: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
     relayed_to_end: bool = False  # a stream's last event (or its error event) was handed to the client
+    lease: Lease | None = None  # the admission: concurrency slot and tokens/min reservation
 
 
 def _ms(seconds: float | None, digits: int) -> str:
@@ -111,6 +120,27 @@ def upstream_payload(body: CompletionRequest | ChatCompletionRequest, tenant: Te
         opts["include_usage"] = True
         data["stream_options"] = opts
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def reservation_estimate(
+    body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int | None, max_model_len: int
+) -> int:
+    """The most tokens a request can use, reserved against its tenant's tokens/min at admission: each
+    prompt (exact when the gateway tokenized it, else ~4 characters a token) plus ``n`` times the
+    completion limit (``max_tokens``; without one, the context left after the prompt, as the engine does)."""
+    if isinstance(body, CompletionRequest):
+        sizes = [len(p) if isinstance(p, list) else -(-len(p) // 4) for p in body.prompts()]
+        limit = body.max_tokens
+    else:
+        sizes = [-(-sum(len(m.role) + len(m.text()) for m in body.messages) // 4)]
+        limit = body.effective_max_tokens
+    if prompt_tokens is not None:  # the first prompt, tokenized
+        sizes[0] = prompt_tokens
+    total = 0
+    for size in sizes:
+        room = max(0, max_model_len - size)
+        total += size + body.n * (room if limit is None else min(limit, room))
+    return total
 
 
 class Proxy:
@@ -156,7 +186,8 @@ class Proxy:
         # second span per request, and a wrapper around every relayed event, cost ~10 % of the gateway's
         # CPU); under an HTTP server span of some other instrumentation it is that span's child.
         span = start_request_span(tracer, "kvfleet.gateway.route", raw.headers, {
-            "kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model, "kvfleet.endpoint": endpoint,
+            "kvfleet.tenant": tenant.name, "gen_ai.request.model": body.model[:256],  # clipped: any string
+            "kvfleet.endpoint": endpoint,
             "kvfleet.request_id": r.request_id, "http.request.method": "POST", "http.route": raw.scope["path"],
         })  # fmt: skip
         try:
@@ -164,9 +195,11 @@ class Proxy:
                 response = await self._route_and_send(r, body, raw, span)
         except ApiError as e:
             r.status = e.status
+            self._end_admission(r)
             self._finish(r, span)
             raise
         except BaseException:  # cancelled (the client left) or a bug: the span still ends
+            self._end_admission(r)
             span.end()
             raise
         if not isinstance(response, _StreamRelay):
@@ -176,15 +209,17 @@ class Proxy:
     # ---- routing -------------------------------------------------------------------------------------
 
     def _check_model(self, r: Routed):
+        view = self.fleet.model(r.model)
+        if view is not None:  # a label only for a model the fleet knows (the metrics module's docstring)
+            r.model_label = r.model
         try:
             self.fleet.check_fresh()
         except RedisUnavailable as e:
             raise registry_unavailable(e) from None
-        view = self.fleet.model(r.model)
-        if view is None:
+        if view is None:  # any string a client sends: echoed clipped, counted under one label
             self.metrics.rejected.labels("unknown_model").inc()
             raise ApiError(
-                404, f"the model {r.model!r} does not exist", param="model", code="model_not_found"
+                404, f"the model {clip(r.model)} does not exist", param="model", code="model_not_found"
             )
         if not r.tenant.allows_model(r.model) or (
             view.config is not None and not view.config.allows_tenant(r.tenant.name)
@@ -212,38 +247,64 @@ class Proxy:
         return awake
 
     async def _block_hashes(self, r: Routed, body, replicas: list[Heartbeat]) -> list[bytes]:
+        """The prompt's block hashes, once it is known to fit the context: its text's size is checked
+        before it is tokenized, its tokens (and max_tokens) before they are hashed; 400s as the engine's.
+        Token ids are within [0, 2^31) already (the request model), as the hashes need."""
         revision = replicas[0].tokenizer_revision
         tok = self.tokenizers.cached(r.model, revision) or await self.tokenizers.get(r.model, revision)
         if tok is None:
             r.fallbacks.append("no_tokenizer")
             return []
-        ids = prompt_token_ids(tok, body)
+        max_len = max(hb.max_model_len for hb in replicas)  # refused only if no replica could take it
+        try:
+            ids = await bounded_prompt_token_ids(tok, self.tokenizers.bound(r.model, revision), body, max_len)
+        except PromptTooLarge as e:
+            raise ApiError(400, e.message, param=e.param, code="context_length_exceeded") from None
         if ids is None:
             return []
         r.prompt_tokens = len(ids)
+        problem = context_problem(len(ids), body.effective_max_tokens, body.min_tokens, max_len)
+        if problem is not None:
+            raise ApiError(400, problem[0], param=problem[1], code="context_length_exceeded")
         return hash_blocks(ids, replicas[0].block_size, _salt(r.tenant, body.cache_salt))
 
-    async def _admit(self, r: Routed, replicas: list[Heartbeat], hashes: list[bytes]) -> AdmitResult | None:
-        """The one Redis round trip on the request path. None: Redis is down; route on local facts."""
-        admission = Admission(self.load.gateway_id, r.tenant, self.load.tenant_inflight[r.tenant.name], r.model,
-                              [hb.replica_id for hb in replicas], hashes)  # fmt: skip
+    async def _admit(
+        self, r: Routed, body, replicas: list[Heartbeat], hashes: list[bytes]
+    ) -> AdmitResult | None:
+        """The one Redis round trip on the request path. Admitted: the tenant's concurrency slot is taken
+        (its lease) and its token estimate reserved, in the same atomic call as the limit checks. None:
+        Redis is down; admitted on this gateway's own count and routed on local facts."""
+        t = r.tenant
+        lease = r.lease = self.load.new_lease(t.name, shared=t.max_concurrent is not None)
+        reserve = 0
+        if t.tokens_per_minute:
+            reserve = reservation_estimate(body, r.prompt_tokens, replicas[0].max_model_len)
+        released = self.load.released_leases(t.name)
+        admission = Admission(self.load.gateway_id, t, r.model, [hb.replica_id for hb in replicas], hashes,
+                              lease.id if lease.shared else "", reserve, released)  # fmt: skip
         reg = self.redis.registry
         try:
             result = await self.redis("admit", "request", lambda: reg.admit(admission))
-        except REDIS_ERRORS:
+        except REDIS_ERRORS:  # (any other exception: handle() releases the lease)
             r.fallbacks.append("redis_unavailable")
-            local = self.load.tenant_inflight[r.tenant.name]
-            if r.tenant.max_concurrent is not None and local >= r.tenant.max_concurrent:
-                result = AdmitResult("concurrency", local)  # the local share of the limit still holds
-            else:
+            if self.load.admit_locally(lease, t.max_concurrent):
                 return None
+            self.load.release_lease(lease, refund=False)  # the call may have taken the slot: removed later
+            result = AdmitResult("concurrency", t.max_concurrent or 0)  # the local share of the limit holds
+        else:
+            self.load.removed(t.name, released)
+            if result.refused is None:
+                lease.admitted = True
+                lease.reservation = Reservation(t.name, result.minute, reserve) if reserve else None
+            else:
+                self.load.release_lease(lease, refund=False, in_redis=False)  # nothing was taken
         if result.refused is not None:
             self.metrics.rejected.labels(result.refused).inc()
-            what = {"concurrency": ("concurrent requests", r.tenant.max_concurrent, "1"),
-                    "requests": ("requests per minute", r.tenant.requests_per_minute, None),
-                    "tokens": ("tokens per minute", r.tenant.tokens_per_minute, None)}[result.refused]  # fmt: skip
+            what = {"concurrency": ("concurrent requests", t.max_concurrent, "1"),
+                    "requests": ("requests per minute", t.requests_per_minute, None),
+                    "tokens": ("tokens per minute", t.tokens_per_minute, None)}[result.refused]  # fmt: skip
             retry = what[2] or str(max(1, math.ceil(rate_retry_after(what[1], result.window, time.time()))))
-            raise ApiError(429, f"rate limit reached for tenant {r.tenant.name!r}: {what[0]} limit {what[1]}",
+            raise ApiError(429, f"rate limit reached for tenant {t.name!r}: {what[0]} limit {what[1]}",
                            code="rate_limit_exceeded", headers={"Retry-After": retry})  # fmt: skip
         return result
 
@@ -274,7 +335,7 @@ class Proxy:
     async def _route_and_send(self, r: Routed, body, raw: Request, span) -> Response:
         replicas = await self._awake_replicas(r)
         hashes = r.block_hashes = await self._block_hashes(r, body, replicas)
-        admitted = await self._admit(r, replicas, hashes)
+        admitted = await self._admit(r, body, replicas, hashes)
         r.decision = self._decide(r, replicas, admitted, len(hashes))
         for reason in r.fallbacks:
             self.metrics.fallbacks.labels(r.model, reason).inc()
@@ -298,29 +359,31 @@ class Proxy:
         )
         self.metrics.inflight.labels(r.model).inc()
         try:
-            upstream = await self._send(r, payload, raw, span)
+            if body.stream:  # the replica answers at once (its head goes before the first token)
+                upstream = await self._send(r, payload, raw, span)
+                if upstream.status_code == 200:
+                    r.status = 200
+                    return _StreamRelay(self, r, upstream, ticket, span, self._response_headers(r, raw, upstream),
+                                        keep_usage=body.include_usage)  # fmt: skip
+                answer = await self._read_answer(r, upstream)
+            else:  # answered whole, when done: if the client leaves first, the replica's request is aborted
+                answer = await _unless_client_leaves(raw.receive, self._send_and_read(r, payload, raw, span))
         except BaseException:
             self._release(r, ticket, None)
             raise
+        if answer is None:
+            r.status = 499
+            self._release(r, ticket, None, accepted=r.attempts > 0)  # sent: the reservation stands
+            return Response(status_code=499)
+        upstream, content = answer
         headers = self._response_headers(r, raw, upstream)
-        if body.stream and upstream.status_code == 200:
-            r.status = 200
-            return _StreamRelay(self, r, upstream, ticket, span, headers, keep_usage=body.include_usage)
-        try:
-            content = await upstream.read()
-        except UpstreamReadError as e:
-            self._release(r, ticket, None)
-            self.metrics.upstream_errors.labels(r.model, "midstream").inc()
-            raise ApiError(503, f"the replica failed while answering: {e}", code="upstream_failed") from None
-        finally:
-            upstream.close()
         r.status = upstream.status_code
         if upstream.status_code == 200:
             try:
                 r.usage = json.loads(content).get("usage")
             except ValueError:
                 r.usage = None
-        self._release(r, ticket, self._usage_record(r))
+        self._release(r, ticket, self._usage_record(r), accepted=upstream.status_code == 200)
         return Response(content, status_code=upstream.status_code, headers=headers,
                         media_type=upstream.headers.get("content-type", "application/json"))  # fmt: skip
 
@@ -329,7 +392,8 @@ class Proxy:
     async def _send(
         self, r: Routed, payload: bytes, raw: Request, span, may_wake: bool = True
     ) -> UpstreamResponse:
-        """Send to the best candidate; on a connection failure or a 5xx, try the next (before any byte).
+        """Send to the best candidate; if no connection to it could be made, or it answered a 5xx, try the
+        next. A request written to a replica that gave no answer is not sent again (``_failed_after_send``).
 
         Replicas that answer "sleeping" (put to sleep since the snapshot) are marked so; if that left no
         candidate, the model is woken (as for a request that found it asleep) and routed once more."""
@@ -362,6 +426,8 @@ class Proxy:
                 last_error = f"{cand.replica_id}: {e}"
                 logger.warning("replica %s unreachable (%s); trying the next candidate", cand.replica_id, e)
                 continue
+            except UpstreamReadError as e:  # sent: the replica may be running it, so it goes nowhere else
+                raise self._failed_after_send(r, e) from None
             if resp.status_code == 503 and resp.headers.get(SLEEPING_HEADER) == "sleeping":
                 resp.close(abort=True)
                 self.fleet.mark_sleeping(r.model, cand.replica_id)
@@ -386,14 +452,51 @@ class Proxy:
         raise ApiError(503, f"no replica of {r.model!r} could take the request ({last_error}); retry shortly",
                        code="upstream_unavailable", headers={"Retry-After": "2"})  # fmt: skip
 
+    async def _send_and_read(
+        self, r: Routed, payload: bytes, raw: Request, span
+    ) -> tuple[UpstreamResponse, bytes]:
+        return await self._read_answer(r, await self._send(r, payload, raw, span))
+
+    async def _read_answer(self, r: Routed, upstream: UpstreamResponse) -> tuple[UpstreamResponse, bytes]:
+        """The whole body of a replica's answer (the connection is dropped unless it was read to the end)."""
+        try:
+            return upstream, await upstream.read()
+        except UpstreamReadError as e:
+            raise self._failed_after_send(r, e) from None
+        finally:
+            upstream.close()
+
+    def _failed_after_send(self, r: Routed, e: UpstreamReadError) -> ApiError:
+        """The client's error when the request reached a replica and no (whole) answer came back. It is not
+        sent anywhere else: the replica may have run it, or still be running it (its connection is dropped,
+        so its engine aborts it if it still can)."""
+        if isinstance(e, UpstreamCut):
+            return ApiError(503, "the gateway is shutting down; retry", code="gateway_shutdown",
+                            headers={"Retry-After": "1"})  # fmt: skip
+        replica = r.replica.replica_id if r.replica is not None else "?"
+        self.metrics.upstream_errors.labels(r.model, "midstream").inc()
+        logger.warning("replica %s had request %s: no answer (%s); not re-sent", replica, r.request_id, e)
+        if isinstance(e, UpstreamTimeout):
+            return ApiError(504, f"the replica {replica} did not answer in time ({e}); the request was not sent to "
+                            "another replica, since it may have run", code="upstream_timeout")  # fmt: skip
+        if r.replica is not None:
+            self.fleet.mark_down(r.replica.replica_id, DOWN_AFTER_CONNECT_ERROR_S)
+        return ApiError(502, f"the replica {replica} failed while it had the request ({e}); it was not sent to "
+                        "another replica, since it may have run", code="upstream_failed")  # fmt: skip
+
     def _first_event(self, r: Routed, ticket: Ticket) -> None:
         self.load.prefilled(ticket)
         r.ttft = time.perf_counter() - r.started
         self.metrics.ttft.labels(r.model).observe(r.ttft)
 
     def _stream_failed(self, r: Routed, error: BaseException | None) -> bytes:
-        """The replica broke off mid-stream: mark it down; the SSE error event and end the client gets."""
+        """The replica broke off mid-stream: mark it down; the SSE error event and end the client gets. Or
+        the gateway cut the stream (shutting down): only the event and the end."""
         r.status = 503
+        if isinstance(error, UpstreamCut):
+            err = error_body(503, f"the gateway is shutting down and ended this stream ({error}); retry",
+                             code="gateway_shutdown")  # fmt: skip
+            return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
         self.metrics.upstream_errors.labels(r.model, "midstream").inc()
         logger.warning("replica %s failed mid-stream (%s)", r.replica.replica_id if r.replica else "?", error)
         if r.replica is not None:
@@ -405,21 +508,38 @@ class Proxy:
         if not r.relayed_to_end and r.status == 200:
             r.status = 499  # the client left before the stream ended (or before it started)
         upstream.close()  # drops the connection unless the body was read to the end: aborts the engine's request
-        self._release(r, ticket, self._usage_record(r))
+        self._release(r, ticket, self._usage_record(r), accepted=True)
         self._finish(r, span)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
-    def _release(self, r: Routed, ticket: Ticket, usage: UsageRecord | None) -> None:
+    def _release(self, r: Routed, ticket: Ticket, usage: UsageRecord | None, accepted: bool = False) -> None:
+        """The request is over: its load and its admission are released (once, whatever the path) and its
+        tokens settled: real usage is charged; the reservation is handed back, except when a replica
+        ``accepted`` the request (a 200, or sent when its client left) and its usage never came (a stream
+        cut short): then the reservation stands as the charge, so leaving early costs no less than finishing."""
         if not ticket.released:
             self.metrics.inflight.labels(r.model).dec()
         self.load.release(ticket, usage)
+        if r.lease is not None:
+            self.load.release_lease(r.lease, refund=usage is not None or not accepted)
+
+    def _end_admission(self, r: Routed) -> None:
+        """Release the admission of a request that ended before (or without) its load ticket; a no-op if
+        ``_release`` did already."""
+        if r.lease is not None:
+            self.load.release_lease(r.lease, refund=True)
+
+    def _debug_allowed(self, raw: Request) -> bool:
+        """``x-kvfleet-debug: <admin token>``: the routing decision shows the fleet's load (operators only)."""
+        token, sent = self.config.admin_token, raw.headers.get("x-kvfleet-debug")
+        return bool(token and sent) and hmac.compare_digest(sent.encode(), token.encode())
 
     def _response_headers(self, r: Routed, raw: Request, upstream: UpstreamResponse) -> dict[str, str]:
         headers = {"x-request-id": r.request_id}
         if r.replica is not None:
             headers["x-kvfleet-replica"] = r.replica.replica_id
-        if raw.headers.get("x-kvfleet-debug", "").lower() in ("1", "true", "yes") and r.decision is not None:
+        if r.decision is not None and self._debug_allowed(raw):
             headers["x-kvfleet-route"] = json.dumps(
                 {"policy": r.decision.policy, "prompt_tokens": r.prompt_tokens, "attempts": r.attempts,
                  "fallbacks": r.fallbacks, "candidates": r.decision.explain()},
@@ -448,8 +568,8 @@ class Proxy:
     def _finish(self, r: Routed, span) -> None:
         """The request is over: its metrics, its log line, the end of its span."""
         duration = time.perf_counter() - r.started
-        self.metrics.requests.labels(r.model, r.tenant.name, r.endpoint, str(r.status)).inc()
-        self.metrics.duration.labels(r.model, r.endpoint).observe(duration)
+        self.metrics.requests.labels(r.model_label, r.tenant.name, r.endpoint, str(r.status)).inc()
+        self.metrics.duration.labels(r.model_label, r.endpoint).observe(duration)
         u = r.usage or {}
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
         span.set_attribute("http.response.status_code", r.status)
@@ -461,7 +581,8 @@ class Proxy:
         logger.info(
             "%s tenant=%s model=%s %s status=%d replica=%s policy=%s prompt=%s cached(pred/actual)=%d/%s "
             "completion=%s attempts=%d overhead=%s ttft=%s %.1fms%s",
-            r.request_id, r.tenant.name, r.model, r.endpoint, r.status,
+            r.request_id, r.tenant.name, r.model if r.model_label == r.model else clip(r.model),
+            r.endpoint, r.status,
             r.replica.replica_id if r.replica else "-", r.decision.policy if r.decision else "-",
             u.get("prompt_tokens", r.prompt_tokens), r.predicted_cached, cached, u.get("completion_tokens"),
             r.attempts, _ms(r.overhead, 2), _ms(r.ttft, 1), duration * 1000,
@@ -503,6 +624,29 @@ class _StreamRelay(Response):
                 relay.stop()
                 r.usage = relay.usage  # metered however the stream ended, once the usage event came
             proxy._stream_closed(r, upstream, ticket, span)
+
+
+T = TypeVar("T")
+
+
+async def _unless_client_leaves(receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None if the client disconnected first: ``work`` is then cancelled (a request out
+    to a replica has its connection dropped, which its engine takes for an abort). ``receive``: the
+    request's, its body read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if gone.done() and not gone.cancelled():
+        gone.exception()  # a receive that failed also means the client is gone; not an error
+    if task.done() and not task.cancelled():  # answered (or failed): that counts, even if the client left too
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 def error_response(status: int, message: str, code: str) -> JSONResponse:

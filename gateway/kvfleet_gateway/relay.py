@@ -66,7 +66,7 @@ class SseRelay:
     async def run(self, receive: Receive) -> Outcome:
         """Relay until the replica's body ended (every event handed to ``send``) or the client left."""
         upstream_done = self._upstream.stream(self._feed)
-        client_left = self._client_left = asyncio.ensure_future(_disconnected(receive))
+        client_left = self._client_left = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((upstream_done, client_left), return_when=asyncio.FIRST_COMPLETED)
             if not client_left.done() and self._pending is not None:
@@ -170,7 +170,8 @@ class SseRelay:
             self._drained.set_result(None)
 
 
-async def _disconnected(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (to be called once the request's body was read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

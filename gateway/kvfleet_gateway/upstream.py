@@ -14,16 +14,24 @@ the connection's own ``data_received`` (``UpstreamResponse.stream``), which pass
   going away (it aborts the request).
 - Timeouts: connecting (``connect_timeout_s``), and no byte from the replica for ``read_timeout_s``
   while a request is out (the head and each part of the body), checked by one watchdog a second.
+- A pooled connection carries a request only if it is still open: a replica that closed an idle
+  connection has its FIN (or RST) waiting on the socket, maybe not yet seen by the loop, so the socket is
+  polled (zero timeout) before it is written to; a readable idle socket is dropped, another one used.
 
-Errors are two exceptions: ``UpstreamConnectError`` (nothing reached the replica, or it closed the
-connection before answering: safe to retry elsewhere) and ``UpstreamReadError`` (the replica failed
-after it started answering).
+Errors, and the retry rule they carry (docs/GATEWAY.md, "Retries"): a request is written at most once.
+- ``UpstreamConnectError``: no connection could be made (refused, unreachable, none within the connect
+  timeout). Nothing was sent: another replica may take the request.
+- ``UpstreamReadError``: the request was written, and no complete answer came back (the connection broke,
+  the answer was malformed, nothing arrived for ``read_timeout_s``). The replica may have run the request,
+  or be running it still: it is never sent again. ``UpstreamTimeout`` is the read timeout, ``UpstreamCut``
+  the gateway ending the exchange itself (``Upstream.cut``, at shutdown).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import select
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -32,10 +40,10 @@ import httptools
 
 
 class UpstreamConnectError(Exception):
-    """The request did not get a response head from the replica (retry-safe before any byte).
+    """No connection to the replica could be made: the request was not sent (another replica may take it).
 
-    ``refused``: no connection could be made (the replica is down or not listening); otherwise a
-    connection broke before the head arrived (the replica may be fine)."""
+    ``refused``: the replica is down or not listening (refused, unreachable); otherwise no connection came
+    within the connect timeout (the replica may be fine)."""
 
     def __init__(self, message: str, refused: bool) -> None:
         super().__init__(message)
@@ -43,26 +51,25 @@ class UpstreamConnectError(Exception):
 
 
 class UpstreamReadError(Exception):
-    """The replica's response broke off (or timed out) after its head."""
+    """The request was written to the replica and its answer did not come whole (no head, or the body
+    broke off): the replica may have run it, or still be running it. Never a reason to send it again."""
 
 
-# A pooled keep-alive connection the server closed while idle fails on reuse (reset, or closed before
-# the head): that says nothing about the replica, so the request is sent again on another connection.
-# Idle connections are kept 60 s, less than the engine's keep-alive (75 s). Kept long on purpose: a
-# replica busy with streams took up to 3 s to start serving each of a burst of ~100 new connections
-# (bench/gateway_overhead.py: the first requests after 4 s without traffic), while requests on open
-# connections were served at once.
-STALE_RETRIES = 2
+class UpstreamTimeout(UpstreamReadError):
+    """Nothing came from the replica for the read timeout while the request was out."""
+
+
+class UpstreamCut(UpstreamReadError):
+    """The gateway ended the exchange itself (``Upstream.cut``: it is shutting down)."""
+
+
+# Idle connections are kept 60 s, less than the engine's keep-alive (75 s), so the replica rarely closes
+# one a request is about to be written to (and one it did close is seen at checkout: ``_peer_spoke``).
+# Kept long on purpose: a replica busy with streams took up to 3 s to start serving each of a burst of
+# ~100 new connections (bench/gateway_overhead.py: the first requests after 4 s without traffic), while
+# requests on open connections were served at once.
 KEEPALIVE_S = 60.0
 WATCHDOG_PERIOD_S = 1.0
-
-
-class _ConnectionLost(Exception):
-    """The connection closed before the response's head (``before_any_byte``: not one byte came back)."""
-
-    def __init__(self, message: str, before_any_byte: bool) -> None:
-        super().__init__(message)
-        self.before_any_byte = before_any_byte
 
 
 @functools.lru_cache(maxsize=1024)
@@ -110,16 +117,14 @@ class UpstreamResponse:
         else:
             self._chunks.append(data)
 
-    def _got_end(self, error: Exception | None) -> None:
+    def _got_end(self, error: UpstreamReadError | None) -> None:
         if not self._head.done():
-            self._head.set_exception(error or _ConnectionLost("no response", before_any_byte=False))
+            self._head.set_exception(error or UpstreamReadError("the response ended before its head"))
         if not self._done.done():
             if error is None:
                 self._done.set_result(None)
-            elif isinstance(error, UpstreamReadError):
-                self._done.set_exception(error)
             else:
-                self._done.set_exception(UpstreamReadError(str(error)))
+                self._done.set_exception(error)
 
     # -- the caller's side --
     async def read(self) -> bytes:
@@ -172,7 +177,7 @@ class _Connection(asyncio.Protocol):
         self.exchange: UpstreamResponse | None = None
         self.closed = False
         self.keep_alive = False
-        self.got_bytes = False  # of the current exchange
+        self.fd = -1  # the socket's, for the check at reuse (``_peer_spoke``)
         self.last_io = 0.0  # loop time of the last byte in (or the request out): the read watchdog's clock
         self.idle_since = 0.0
         self.reading_paused = False
@@ -185,13 +190,14 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         if self.exchange is None:  # bytes nobody asked for (on an idle connection): its state is unknown
             self.abort()
             self.pool.forget(self)
             return
-        self.got_bytes = True
         self.last_io = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
@@ -206,7 +212,7 @@ class _Connection(asyncio.Protocol):
         self.pool.forget(self)
         if self.exchange is not None:
             why = f"{type(exc).__name__}: {exc}" if exc else "the replica closed the connection"
-            self.exchange._got_end(_ConnectionLost(why, before_any_byte=not self.got_bytes))
+            self.exchange._got_end(UpstreamReadError(why))
 
     def pause_writing(self) -> None:  # the request body is written at once; nothing to pause
         pass
@@ -242,13 +248,18 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> UpstreamResponse:
         assert self.transport is not None and self.exchange is None
         self.exchange = UpstreamResponse(self)
-        self.got_bytes = False
         self.keep_alive = False
         self.last_io = self.pool.loop.time()
         self.transport.write(request)
         return self.exchange
 
-    def fail(self, error: Exception) -> None:
+    def usable(self) -> bool:
+        """An idle connection may carry a request: open, and the replica has not closed it meanwhile."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        return self.fd < 0 or not _peer_spoke(self.fd)
+
+    def fail(self, error: UpstreamReadError) -> None:
         """End the exchange with ``error`` and drop the connection."""
         if self.exchange is not None:
             self.exchange._got_end(error)
@@ -292,9 +303,13 @@ class Upstream:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._cut: str | None = None  # why exchanges are refused (``cut``)
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        """Send; return once the response head arrived. Raises ``UpstreamConnectError``."""
+        """Send; return once the response head arrived. Raises ``UpstreamConnectError`` (not sent: another
+        replica may take the request) or ``UpstreamReadError`` (sent, no answer: never to be sent again)."""
+        if self._cut is not None:
+            raise UpstreamCut(self._cut)
         host, port, target, host_header = _target(url)
         head = [b"POST ", target.encode(), b" HTTP/1.1\r\nhost: ", host_header,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]  # fmt: skip
@@ -303,30 +318,19 @@ class Upstream:
         request = b"".join(head) + b"\r\n" + body
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="upstream-watchdog")
-        attempt = 0
-        while True:
-            await self.slots.acquire()  # released by the response's close
-            try:
-                conn, reused = await self._checkout((host, port))
-            except BaseException:
-                self.slots.release()
-                raise
-            resp = conn.send(request)
-            try:
-                await resp._head
-                return resp
-            except _ConnectionLost as e:
-                resp.close(abort=True)
-                if reused and e.before_any_byte and attempt < STALE_RETRIES:  # it died while idle in the pool
-                    attempt += 1
-                    continue
-                raise UpstreamConnectError(str(e), refused=False) from None
-            except UpstreamReadError as e:  # malformed head, or no head within the read timeout
-                resp.close(abort=True)
-                raise UpstreamConnectError(str(e), refused=False) from None
-            except BaseException:  # cancelled (the client left): the engine must see the request go away
-                resp.close(abort=True)
-                raise
+        await self.slots.acquire()  # released by the response's close
+        try:
+            conn = await self._checkout((host, port))
+        except BaseException:
+            self.slots.release()
+            raise
+        resp = conn.send(request)
+        try:
+            await resp._head
+        except BaseException:  # no answer (UpstreamReadError), or cancelled (the client left): the
+            resp.close(abort=True)  # connection is dropped, which the engine takes for an abort
+            raise
+        return resp
 
     async def call(
         self, url: str, params: Mapping[str, Any] | None, headers: Mapping[str, str], timeout_s: float
@@ -347,6 +351,15 @@ class Upstream:
         except TimeoutError:
             raise UpstreamReadError(f"no complete answer within {timeout_s:g} s") from None
 
+    def cut(self, reason: str) -> int:
+        """End every exchange in progress with ``UpstreamCut(reason)``, and refuse new ones: the gateway is
+        shutting down. Their connections are dropped (each engine aborts its request). Returns how many."""
+        self._cut = reason
+        busy = [conn for conn in self._busy if conn.exchange is not None]
+        for conn in busy:
+            conn.fail(UpstreamCut(reason))
+        return len(busy)
+
     def connections(self) -> tuple[int, int]:
         """(carrying an exchange, idle in the pool)."""
         return len(self._busy), sum(len(conns) for conns in self._idle.values())
@@ -360,13 +373,14 @@ class Upstream:
         self._busy.clear()
 
     # -- the pool --
-    async def _checkout(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
+    async def _checkout(self, key: tuple[str, int]) -> _Connection:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have been closed meanwhile
-            if not conn.closed:
+            if conn.usable():
                 self._busy.add(conn)
-                return conn, True
+                return conn
+            conn.abort()
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(lambda: _Connection(self, key), *key), self.connect_timeout_s
@@ -378,7 +392,7 @@ class Upstream:
         except OSError as e:  # refused, unreachable, unknown host
             raise UpstreamConnectError(f"{type(e).__name__}: {e}", refused=True) from None
         self._busy.add(conn)
-        return conn, False
+        return conn
 
     def checkin(self, conn: _Connection) -> None:
         self._busy.discard(conn)
@@ -400,8 +414,16 @@ class Upstream:
             for conn in list(self._busy):
                 stalled = now - conn.last_io > self.read_timeout_s
                 if stalled and conn.exchange is not None and not conn.reading_paused:
-                    conn.fail(UpstreamReadError(f"no data from the replica for {self.read_timeout_s:g} s"))
+                    conn.fail(UpstreamTimeout(f"no data from the replica for {self.read_timeout_s:g} s"))
             for conns in self._idle.values():
                 for conn in [c for c in conns if now - c.idle_since > KEEPALIVE_S]:
                     conns.remove(conn)
                     conn.abort()
+
+
+def _peer_spoke(fd: int) -> bool:
+    """Whether an idle connection's socket has something to read: the replica's FIN or RST, or bytes nobody
+    asked for. Either way it cannot carry a request."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

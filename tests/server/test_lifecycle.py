@@ -1,4 +1,5 @@
-"""The ugly cases: clients vanishing mid-stream, sleep/wake under traffic, a dead core, SIGTERM."""
+"""The ugly cases: clients vanishing mid-stream, sleep/wake under traffic, a dead core, SIGTERM (with
+requests that outlive ``--shutdown-timeout``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import alive, cmdline, descendants_of, run_server
+from slow_requests import SLOW_DECODE, LeavingClient, SseStream, running, sigterm_exits_within
+
+from kvfleet_common.registry import Registry
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story about bread."}]}
 
@@ -219,3 +223,49 @@ def test_tensor_parallel_server_matches_and_a_dead_worker_fails_the_replica(demo
         assert r.status_code == 503 and "worker" in r.json()["error"]["message"]
         for pid in [core, *workers]:
             assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived its engine"
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_every_request_readably(demo_model, tmp_path, redis_server):
+    """A simulated replica decoding a token every 100 ms: 400-token requests outlive a 2 s timeout."""
+    timeout_s = 2.0
+    reg = Registry.from_url(redis_server.url)
+    args = (*SLOW_DECODE, "--max-model-len", "512", "--shutdown-timeout", str(timeout_s),
+            "--redis-url", redis_server.url, "--replica-name", "drained")  # fmt: skip
+    with run_server(demo_model("llama", "tiny"), tmp_path, *args, name="sim") as server:
+        assert wait_until(lambda: reg.live_replicas("sim"), 30)
+        url = f"{server.url}/v1/completions"
+        body = {"model": "sim", "prompt": [100, 101, 102], "max_tokens": 400, "ignore_eos": True}
+        streams = [SseStream(url, body) for _ in range(8)]
+        answer: list[httpx.Response] = []
+        whole = threading.Thread(target=lambda: answer.append(httpx.post(url, json=body, timeout=60)))
+        whole.start()
+        for s in streams:
+            s.wait_started()
+        short = SseStream(url, {**body, "max_tokens": 5})  # ends within the timeout: finished, not cut
+        short.wait_started()
+        assert wait_until(lambda: running(server) == 10, 10, 0.05), running(server)
+
+        sigterm_exits_within(server.proc, timeout_s + 2)
+
+        short.assert_finished()
+        for s in streams:
+            assert s.cut_error()["code"] == "replica_shutting_down"
+        whole.join(10)
+        assert answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "replica_shutting_down"
+        assert answer[0].headers["retry-after"] == "1"
+        assert reg.live_replicas("sim") == []  # deregistered
+        for pid in server.descendants:
+            assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived the server"
+    reg.close()
+
+
+def test_a_client_leaving_a_non_streaming_request_has_it_aborted_within_2_s(demo_model, tmp_path):
+    with run_server(demo_model("llama", "tiny"), tmp_path, *SLOW_DECODE, "--max-model-len", "512") as server:
+        body = {"model": "tiny", "prompt": [100, 101, 102], "max_tokens": 300, "ignore_eos": True}
+        client = LeavingClient(f"{server.url}/v1/completions", body, {"x-request-id": "left-behind"})
+        assert wait_until(lambda: running(server) == 1, 30, 0.05)
+        client.leave()
+        t0 = time.monotonic()
+        assert wait_until(lambda: running(server) == 0, 2.0, 0.05), "the engine still runs the request"
+        assert time.monotonic() - t0 < 2.0
+        assert wait_until(lambda: "left-behind model=tiny status=499" in server.log(), 5), server.log()[-999:]

@@ -2,8 +2,9 @@
 
 Process layout: this process runs uvicorn + FastAPI + AsyncLLM (tokenize, detokenize, stream);
 it spawns the engine core process (scheduler + model) and talks to it over ZMQ. SIGTERM drains:
-the port closes, in-flight requests get ``--shutdown-timeout`` seconds to finish (then they are
-aborted), the replica deregisters from Redis and the core stops.
+the port closes, in-flight requests get ``--shutdown-timeout`` seconds to finish (then each one left is
+aborted: a stream ends with an SSE error event and ``[DONE]``, a request waiting for its answer gets a
+503), the replica deregisters from Redis and the core stops; the process exits about a second later.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 
 import uvicorn
 
+from kvfleet_common.graceful import BoundedShutdownServer
+from kvfleet_common.http import ApiError
 from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
 from kvfleet_engine.cli import add_engine_args, engine_kwargs
 
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="URL the gateway reaches this replica at (default: http://<host>:<port>)")  # fmt: skip
     p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+                   help="seconds in-flight requests get to finish after SIGTERM; then the ones left end with an "
+                        "error (a stream: an SSE error event and [DONE])")  # fmt: skip
     add_connection_args(p, closes_first="the gateway's upstream pool (60 s)")
     p.add_argument("--log-level", default="info")
     return p
@@ -87,24 +90,32 @@ def serve_main(argv: list[str]) -> int:
             port=args.port,
             log_level=args.log_level.lower(),
             access_log=False,
-            timeout_graceful_shutdown=int(args.shutdown_timeout),
             lifespan="on",
             **uvicorn_connection_options(args),
         ),
         app,
+        args.shutdown_timeout,
     )
     server.run()
     return 0 if engine.dead_reason is None else 1
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(BoundedShutdownServer):
     """On the first SIGTERM/SIGINT, mark the replica draining (``/health`` and Redis heartbeats say
-    so) before uvicorn's own graceful shutdown closes the port and waits for in-flight requests."""
+    so) before the graceful shutdown closes the port and waits for in-flight requests, at most
+    ``shutdown_timeout`` seconds: then each one left ends with an error (``kvfleet_common.graceful``)."""
 
-    def __init__(self, config: uvicorn.Config, app) -> None:
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, app, shutdown_timeout: float) -> None:
+        super().__init__(config, shutdown_timeout, self._end_requests)
         self.app = app
         self._tasks: set[asyncio.Task] = set()
+
+    def _end_requests(self) -> None:
+        ended = self.app.state.engine.fail_requests(
+            lambda: ApiError(503, "the replica is shutting down and ended this request; retry",
+                             code="replica_shutting_down", headers={"Retry-After": "1"})
+        )  # fmt: skip
+        logger.info("shutdown timeout reached: %d request(s) ended", ended)
 
     def handle_exit(self, sig, frame) -> None:
         state = self.app.state
@@ -115,8 +126,6 @@ class DrainingServer(uvicorn.Server):
                 task = asyncio.get_running_loop().create_task(_set_draining(state.engine))
                 self._tasks.add(task)
         super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after shutting down; a completed drain is a clean exit.
-        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 async def _set_draining(engine) -> None:
