@@ -92,6 +92,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         try:
             yield
         finally:  # after the server's bounded drain (kvfleet_common.graceful); each step bounded too
+            waker.stop()  # a request still waiting for a model to wake gets its 503 now
             http.cut("the gateway is shutting down")  # a response still relayed ends now, with an error event
             for t in await cancel_and_wait(tasks, 1.0):
                 logger.warning("background task %s did not stop", t.get_name())

@@ -142,6 +142,7 @@ def main(argv: list[str]) -> int:
                                **uvicorn_connection_options(args))  # fmt: skip
 
     def end_requests() -> None:  # past the grace period (docs/GATEWAY.md, "Shutdown")
+        app.state.waker.stop()  # requests still waiting for a model to wake get a 503 now
         app.state.http.cut(f"the shutdown grace period of {args.shutdown_grace:g} s is over")
 
     BoundedShutdownServer(uv_config, args.shutdown_grace, end_requests).run()

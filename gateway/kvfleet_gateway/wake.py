@@ -2,7 +2,8 @@
 
 Within a gateway, concurrent requests share one wake task per model; across gateways the Redis wake
 lock (``SET NX PX``) lets one gateway send the engines' ``/wake_up`` while the others wait for the
-heartbeats to say ``awake``. Every waiter gives up after ``timeout`` seconds with a 503.
+heartbeats to say ``awake``. Every waiter gives up after ``timeout`` seconds with a 503, and at once
+(503 ``gateway_shutdown``) when the gateway's shutdown grace period ends (``stop``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ async def call_replica(
     return True, "ok"
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the gateway is shutting down; retry on another gateway", code="gateway_shutdown",
+                    headers={"Retry-After": "1"})  # fmt: skip
+
+
 class Waker:
     def __init__(
         self, fleet: FleetView, redis_calls: RedisCalls, client: Upstream, metrics: GatewayMetrics,
@@ -51,13 +57,29 @@ class Waker:
         self.holder = holder
         self.timeout = timeout
         self._tasks: dict[str, asyncio.Task] = {}
+        self._stopped = asyncio.Event()
+
+    def stop(self) -> None:
+        """Past the shutdown grace period: every waiter ends with a 503 now, not a cancellation later."""
+        self._stopped.set()
+        for task in self._tasks.values():
+            task.cancel()
 
     async def ensure_awake(self, model: str) -> None:
+        if self._stopped.is_set():
+            raise _shutting_down()
         task = self._tasks.get(model)
         if task is None or task.done():
             task = asyncio.create_task(self._wake(model))
             self._tasks[model] = task
-        await asyncio.shield(task)
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if self._stopped.is_set():
+            raise _shutting_down()
+        task.result()  # the wake's own outcome (its 503 on timeout)
 
     async def wake_replicas(self, model: str, replicas: list[Heartbeat]) -> dict[str, str]:
         """Wake ``replicas`` now (admin path and wake-on-request): replica id -> "ok" or the error."""
