@@ -17,16 +17,14 @@ error event followed by ``[DONE]``: the client always sees the stream end.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,7 +43,7 @@ from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnav
 from kvfleet_gateway.load import Lease, LoadTracker, Ticket
 from kvfleet_gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from kvfleet_gateway.recent_routes import RecentRoutes
-from kvfleet_gateway.relay import SseRelay, disconnected
+from kvfleet_gateway.relay import SseRelay, unless_client_leaves
 from kvfleet_gateway.routing import Candidate, Decision, choose
 from kvfleet_gateway.tokenization import PromptTooLarge, TokenizerCache, bounded_prompt_token_ids
 from kvfleet_gateway.upstream import (
@@ -56,6 +54,7 @@ from kvfleet_gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from kvfleet_gateway.upstream_request import cache_salt, reservation_estimate, upstream_payload
 from kvfleet_gateway.wake import Waker
 
 logger = logging.getLogger("kvfleet_gateway.requests")
@@ -98,49 +97,6 @@ class Routed:
 
 def _ms(seconds: float | None, digits: int) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.{digits}f}ms"
-
-
-def _salt(tenant: TenantRecord, client_salt: str | None) -> str:
-    """The salt the engine hashes with: the tenant's own, extended (never replaced) by the client's."""
-    return tenant.cache_salt + ("\x1f" + client_salt if client_salt else "")
-
-
-def upstream_payload(body: CompletionRequest | ChatCompletionRequest, tenant: TenantRecord) -> bytes:
-    """The JSON sent to the engine: the client's request with the tenant's priority and cache salt, and
-    usage switched on for streams (see the module docstring)."""
-    data = body.model_dump(mode="json", exclude_unset=True)
-    data["priority"] = -tenant.priority + max(0, body.priority)
-    salt = _salt(tenant, body.cache_salt)
-    if salt:
-        data["cache_salt"] = salt
-    else:
-        data.pop("cache_salt", None)
-    if body.stream:
-        opts = dict(data.get("stream_options") or {})
-        opts["include_usage"] = True
-        data["stream_options"] = opts
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def reservation_estimate(
-    body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int | None, max_model_len: int
-) -> int:
-    """The most tokens a request can use, reserved against its tenant's tokens/min at admission: each
-    prompt (exact when the gateway tokenized it, else ~4 characters a token) plus ``n`` times the
-    completion limit (``max_tokens``; without one, the context left after the prompt, as the engine does)."""
-    if isinstance(body, CompletionRequest):
-        sizes = [len(p) if isinstance(p, list) else -(-len(p) // 4) for p in body.prompts()]
-        limit = body.max_tokens
-    else:
-        sizes = [-(-sum(len(m.role) + len(m.text()) for m in body.messages) // 4)]
-        limit = body.effective_max_tokens
-    if prompt_tokens is not None:  # the first prompt, tokenized
-        sizes[0] = prompt_tokens
-    total = 0
-    for size in sizes:
-        room = max(0, max_model_len - size)
-        total += size + body.n * (room if limit is None else min(limit, room))
-    return total
 
 
 class Proxy:
@@ -266,7 +222,7 @@ class Proxy:
         problem = context_problem(len(ids), body.effective_max_tokens, body.min_tokens, max_len)
         if problem is not None:
             raise ApiError(400, problem[0], param=problem[1], code="context_length_exceeded")
-        return hash_blocks(ids, replicas[0].block_size, _salt(r.tenant, body.cache_salt))
+        return hash_blocks(ids, replicas[0].block_size, cache_salt(r.tenant, body.cache_salt))
 
     async def _admit(
         self, r: Routed, body, replicas: list[Heartbeat], hashes: list[bytes]
@@ -367,7 +323,7 @@ class Proxy:
                                         keep_usage=body.include_usage)  # fmt: skip
                 answer = await self._read_answer(r, upstream)
             else:  # answered whole, when done: if the client leaves first, the replica's request is aborted
-                answer = await _unless_client_leaves(raw.receive, self._send_and_read(r, payload, raw, span))
+                answer = await unless_client_leaves(raw.receive, self._send_and_read(r, payload, raw, span))
         except BaseException:
             self._release(r, ticket, None)
             raise
@@ -624,29 +580,6 @@ class _StreamRelay(Response):
                 relay.stop()
                 r.usage = relay.usage  # metered however the stream ended, once the usage event came
             proxy._stream_closed(r, upstream, ticket, span)
-
-
-T = TypeVar("T")
-
-
-async def _unless_client_leaves(receive, work: Coroutine[Any, Any, T]) -> T | None:
-    """``work``'s result, or None if the client disconnected first: ``work`` is then cancelled (a request out
-    to a replica has its connection dropped, which its engine takes for an abort). ``receive``: the
-    request's, its body read."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(receive))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if gone.done() and not gone.cancelled():
-        gone.exception()  # a receive that failed also means the client is gone; not an error
-    if task.done() and not task.cancelled():  # answered (or failed): that counts, even if the client left too
-        return task.result()
-    await asyncio.gather(task, return_exceptions=True)
-    return None
 
 
 def error_response(status: int, message: str, code: str) -> JSONResponse:

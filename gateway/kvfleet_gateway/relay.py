@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kvfleet_gateway.upstream import UpstreamResponse
 
@@ -185,3 +185,26 @@ def _usage_of(event: bytes) -> dict[str, Any] | None:
         return None
     usage = data.get("usage") if isinstance(data, dict) else None
     return usage if isinstance(usage, dict) else None
+
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None if the client disconnected first: ``work`` is then cancelled (a request out
+    to a replica has its connection dropped, which its engine takes for an abort). ``receive``: the
+    request's, its body read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if gone.done() and not gone.cancelled():
+        gone.exception()  # a receive that failed also means the client is gone; not an error
+    if task.done() and not task.cancelled():  # answered (or failed): that counts, even if the client left too
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    return None

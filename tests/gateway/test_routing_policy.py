@@ -120,7 +120,7 @@ def test_upstream_payload_carries_the_tenants_priority_and_salt():
 
     from kvfleet_common.openai_protocol import ChatCompletionRequest
     from kvfleet_common.schemas import TenantRecord
-    from kvfleet_gateway.proxy import upstream_payload
+    from kvfleet_gateway.upstream_request import upstream_payload
 
     gold = TenantRecord(name="gold", priority=5, cache_salt="s1")
     req = ChatCompletionRequest(
