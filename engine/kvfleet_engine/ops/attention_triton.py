@@ -34,40 +34,18 @@ the kernels run under ``TRITON_INTERPRET=1``); calling a kernel without triton r
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kvfleet_engine.ops.triton_support import HAS_TRITON, check_triton, interpreting, tl, triton
 
 __all__ = ["HAS_TRITON", "decode_attention", "prefill_attention"]
 
 _LOG2E = 1.4426950408889634
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check_triton(t: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "kvfleet_engine.ops.attention_triton needs triton (pip install 'kvfleet[triton]'); "
-            "use the torch attention backend instead"
-        )
-    if t.device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"Triton attention kernels need CUDA tensors (got device {t.device}); on CPU set "
-            "TRITON_INTERPRET=1 before triton is first imported"
-        )
+    check_triton(t, "kvfleet_engine.ops.attention_triton", "use the torch attention backend instead")
 
 
 if HAS_TRITON:
@@ -372,7 +350,7 @@ def _dot_options(dtype: torch.dtype) -> dict:
     # The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 storage (triton 3.x), so
     # under TRITON_INTERPRET the dots run in float32 instead. On GPU 16-bit tiles feed the tensor cores
     # natively; float32 inputs use "ieee" so they never silently drop to tf32.
-    dot_fp32 = dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
+    dot_fp32 = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
     return {"DOT_PRECISION": "ieee" if dot_fp32 else "tf32", "DOT_FP32": dot_fp32}
 
 
@@ -421,7 +399,7 @@ def prefill_attention(
         return out
 
     group = num_heads // num_kv_heads
-    if _interpreting():
+    if interpreting():
         block_m, block_n, num_warps = 16, 16, 4
     else:
         block_m, block_n, num_warps = 64, 64, 4
@@ -504,7 +482,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     block_d = _block_d(head_dim)
-    if _interpreting():
+    if interpreting():
         block_n, num_warps = 16, 4
     else:
         block_n, num_warps = 64, 4

@@ -25,15 +25,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kvfleet_engine.ops.triton_support import HAS_TRITON, check_triton, tl, triton
 
 __all__ = ["ENV_VAR", "HAS_TRITON", "mode_from_env", "rms_norm", "rotary_", "silu_and_mul", "wanted"]
 
@@ -58,16 +50,7 @@ def wanted(use_triton: bool | None, t: torch.Tensor) -> bool:
 
 
 def _check_triton(t: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "kvfleet_engine.ops.elementwise_triton needs triton (pip install 'kvfleet[triton]'); "
-            f"unset {ENV_VAR} to use the torch path"
-        )
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError(
-            f"Triton elementwise kernels need CUDA tensors (got device {t.device}); on CPU set "
-            "TRITON_INTERPRET=1 before triton is first imported"
-        )
+    check_triton(t, "kvfleet_engine.ops.elementwise_triton", f"unset {ENV_VAR} to use the torch path")
 
 
 if HAS_TRITON:
