@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("transformers")
 
@@ -23,18 +23,8 @@ import _fleet as fleet  # noqa: E402
 import _serve_common as sc  # noqa: E402
 from sse_server import SseServer  # noqa: E402
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-routing = _load("routing")
-overhead = _load("gateway_overhead")
+routing = load_bench("routing")
+overhead = load_bench("gateway_overhead")
 
 
 @pytest.fixture(scope="module")

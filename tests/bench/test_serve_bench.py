@@ -4,7 +4,6 @@ functions, and process-group clean-up of a server that ignores SIGTERM."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("transformers")
 
@@ -21,14 +21,6 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import _serve_common as sc  # noqa: E402
 import _servers as servers  # noqa: E402
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +69,7 @@ def test_serve_bench_kvfleet_smoke(tmp_path: Path, demo_model) -> None:
         "--concurrency", "3", "--input-len", "20", "--output-len", "8", "--max-model-len", "128",
         "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--startup-timeout", "120",
     ]  # fmt: skip
-    result = _load("serve").main(argv)
+    result = load_bench("serve").main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
     assert data["benchmark"] == "serve" and data["command"].startswith(
@@ -100,7 +92,7 @@ def test_serve_bench_compare_open_loop_chat(tmp_path: Path, demo_model) -> None:
         "--request-rate", "20", "--input-len", "16", "--output-len", "6", "--log-dir", str(tmp_path / "logs"),
         "--out", str(out), "--startup-timeout", "180",
     ]  # fmt: skip
-    _load("serve").main(argv)
+    load_bench("serve").main(argv)
     data = json.loads(out.read_text())
     assert list(data["targets"]) == ["transformers", "kvfleet"]
     for name in data["targets"]:
@@ -228,7 +220,7 @@ def test_sleep_wake_bench_smoke(tmp_path: Path, demo_model) -> None:
         "--model", str(demo_model(preset="tiny")), "--cycles", "1", "--prompt-len", "12", "--output-len", "4",
         "--max-model-len", "128", "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--startup-timeout", "120",
     ]  # fmt: skip
-    _load("sleep_wake").main(argv)
+    load_bench("sleep_wake").main(argv)
     data = json.loads(out.read_text())
     assert "error" not in data, data.get("error")
     assert "<token>" in data["server_command"] and "--admin-token" in data["server_command"]

@@ -3,30 +3,18 @@ per step and sane values (no timing assertions: only structure, counts and consi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("transformers")
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH_DIR))
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-step_overhead = _load("step_overhead")
+step_overhead = load_bench("step_overhead")
 COMPONENTS = ("schedule", "execute", "update", "output", "other", "total", "wall")
 
 
