@@ -16,14 +16,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "write a random-weight HF model directory for tests and demos",
     ),
-    "generate": ("kvfleet_engine.cli", "generate_main", "generate text offline from a model directory"),
+    "generate": ("kvfleet_engine.generate_cli", "generate_main", "generate text offline from a model directory"),
     "engine": (
-        "kvfleet_engine.cli",
+        "kvfleet_engine.generate_cli",
         "engine_main",
         "engine commands: serve (one OpenAI-compatible replica), generate",
     ),
-    "gateway": ("kvfleet_gateway.cli", "main", "run the multi-tenant OpenAI gateway (prefix-aware routing)"),
-    "operator": ("kvfleet_operator.cli", "main", "run the Kubernetes operator (kopf); also: crds, render"),
+    "gateway": ("kvfleet_gateway.gateway_cli", "main", "run the multi-tenant OpenAI gateway (prefix-aware routing)"),
+    "operator": ("kvfleet_operator.operator_cli", "main", "run the Kubernetes operator (kopf); also: crds, render"),
     "up": (
         "kvfleet_common.up",
         "main",

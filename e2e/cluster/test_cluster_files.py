@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet_engine.demo_model.cli import make_parser
+from kvfleet_engine.demo_model.demo_model_cli import make_parser
 from kvfleet_operator.spec import parse_model_uri
 
 HERE = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
 from kvfleet_engine.input_processor import InputProcessor, PromptType, fan_out
-from kvfleet_engine.models.registry import get_model_class
+from kvfleet_engine.models.architectures import get_model_class
 from kvfleet_engine.output_processor import OutputProcessor
 from kvfleet_engine.outputs import RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams

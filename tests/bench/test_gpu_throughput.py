@@ -110,7 +110,7 @@ def test_engine_args_and_server_flags_pass_enforce_eager_only_when_asked() -> No
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "4096"
     # The flags are ones `kvfleet engine serve` parses (enforce_eager aside, which a colleague adds).
     argv = servers.kvfleet_command(Path("/m"), 1, "x", extra_args=gt.server_flags(args, "cpu")[:-3]).argv
-    from kvfleet_engine.server.cli import build_parser
+    from kvfleet_engine.server.serve_cli import build_parser
 
     build_parser().parse_args(argv[3:])
 

@@ -28,7 +28,7 @@ from helm_chart import (
 )
 
 from kvfleet_operator import crds, manifests
-from kvfleet_operator.cli import config_from, run_parser
+from kvfleet_operator.operator_cli import config_from, run_parser
 from kvfleet_operator.spec import model_spec_from
 from kvfleet_operator.validation import schema_errors, validated_inference_model, validated_tenant
 

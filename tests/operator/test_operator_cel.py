@@ -217,7 +217,7 @@ def _flags_set_by_operator() -> set[str]:
 
 
 def test_the_rule_covers_every_flag_the_operator_sets_and_nothing_else_of_the_engine():
-    server_cli = pytest.importorskip("kvfleet_engine.server.cli")
+    server_cli = pytest.importorskip("kvfleet_engine.server.serve_cli")
     parser = server_cli.build_parser()
     set_by_operator = _flags_set_by_operator()
     assert set_by_operator <= set(crds.MANAGED_ENGINE_FLAGS)
@@ -237,7 +237,7 @@ def test_the_rule_covers_every_flag_the_operator_sets_and_nothing_else_of_the_en
 def test_no_spelling_argparse_accepts_reaches_an_owned_flag():
     """Every prefix of every engine option, alone, with `=value` or with a value joined: whenever the engine's
     parser, given it after the operator's arguments, changes what an owned flag set, the rule refuses it."""
-    server_cli = pytest.importorskip("kvfleet_engine.server.cli")
+    server_cli = pytest.importorskip("kvfleet_engine.server.serve_cli")
     parser = server_cli.build_parser()
     base_args = manifests.engine_args(_full_model())
     owned = {a.dest for a in parser._actions if set(a.option_strings) & set(crds.MANAGED_ENGINE_FLAGS)}

@@ -277,7 +277,7 @@ def test_builders_are_pure_and_share_no_objects():
 
 def test_rendered_arguments_parse_with_the_engines_own_command_line():
     """Contract with `kvfleet engine serve`: every flag the operator renders exists and means the same."""
-    server_cli = pytest.importorskip("kvfleet_engine.server.cli")
+    server_cli = pytest.importorskip("kvfleet_engine.server.serve_cli")
     model = model_spec_from(
         model_obj(
             engine={

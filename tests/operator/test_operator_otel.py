@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvfleet_common.cli import main as kvfleet
 from kvfleet_operator import manifests
-from kvfleet_operator.cli import _config_args
+from kvfleet_operator.operator_cli import _config_args
 from kvfleet_operator.spec import OperatorConfig, model_spec_from
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -122,7 +122,7 @@ def test_a_missing_peering_object_is_reported_in_the_log_until_it_appears(two_re
 
 
 def test_the_help_says_the_operator_needs_the_peering_object_or_standalone():
-    from kvfleet_operator.cli import run_parser
+    from kvfleet_operator.operator_cli import run_parser
 
     text = " ".join(run_parser().format_help().split())
     assert "waits without acting while it is missing" in text and "The Helm chart creates it" in text

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfleet_operator import crds, manifests
-from kvfleet_operator.cli import crd_files
+from kvfleet_operator.operator_cli import crd_files
 from kvfleet_operator.spec import OperatorConfig, model_spec_from
 from kvfleet_operator.validation import (
     SpecError,

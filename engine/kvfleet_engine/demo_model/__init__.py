@@ -12,7 +12,7 @@ HF sharding), ``builder`` (``build_demo_model``), ``cli`` (``main``).
 """
 
 from kvfleet_engine.demo_model.builder import BuildResult, build, build_demo_model
-from kvfleet_engine.demo_model.cli import main
+from kvfleet_engine.demo_model.demo_model_cli import main
 from kvfleet_engine.demo_model.presets import ARCHS, DTYPES, PRESETS, count_parameters, make_config
 
 __all__ = [

@@ -144,7 +144,7 @@ def engine_main(argv: list[str]) -> int:
     if argv[0] == "generate":
         return generate_main(argv[1:])
     if argv[0] == "serve":
-        from kvfleet_engine.server.cli import serve_main
+        from kvfleet_engine.server.serve_cli import serve_main
 
         return serve_main(argv[1:])
     print(f"kvfleet engine: unknown sub-command {argv[0]!r} (available: serve, generate)", file=sys.stderr)

@@ -22,7 +22,7 @@ import uvicorn
 from kvfleet_common.graceful import BoundedShutdownServer
 from kvfleet_common.http import ApiError
 from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
-from kvfleet_engine.cli import add_engine_args, engine_kwargs
+from kvfleet_engine.generate_cli import add_engine_args, engine_kwargs
 
 logger = logging.getLogger("kvfleet_engine.server")
 
@@ -60,7 +60,7 @@ def serve_main(argv: list[str]) -> int:
     from kvfleet_engine.async_llm import AsyncLLM
     from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.core.core_process import PresenceOptions
-    from kvfleet_engine.models.registry import get_model_class
+    from kvfleet_engine.models.architectures import get_model_class
     from kvfleet_engine.server.app import build_app
 
     try:
