@@ -18,8 +18,8 @@ from kvfleet_engine.forward_context import AttentionMetadata, set_attn_metadata
 from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.attention import Attention
 from kvfleet_engine.layers.sampler import Sampler
-from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.models.architectures import get_model_class
+from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.ops import attention_cpu
 from kvfleet_engine.ops.attention_torch import make_plan
 from kvfleet_engine.worker.cuda_graph import CaptureFn, CudaGraphCapture, DecodeGraphs
