@@ -4,6 +4,13 @@ All keys start with ``kvf:``. Names embedded in keys (models, replica names, ten
 :func:`check_name` and never contain ``:``, so every key parses back to exactly one spec
 (:func:`spec_for`); a test scans Redis after a full scenario and fails on any key no spec describes.
 
+Invariant: this module is the only place that spells a key, Lua included. The fleet store's scripts
+(``kvfleet_common/fleet_store/lua/*.lua``) receive every key they touch as ``KEYS``, or, for keys of
+ids they read inside Redis (every replica of a model, the owner of an API key), a
+:class:`KeyTemplate` built here and passed in ``ARGV``; no ``.lua`` file holds a key name or a key
+prefix (``tests/common/test_redis_keys.py`` checks it). The same holds for the field prefixes of a
+gateway's load hash (``LOAD_FIELD_*``).
+
 =====================================  ======  =================  ==========  =========================================
 key                                    type    TTL                writer      content
 =====================================  ======  =================  ==========  =========================================
@@ -13,7 +20,7 @@ kvf:replica:<replica_id>:resync        set     60 s               engine      st
 kvf:name:<replica_name>                string  heartbeat (~5 s)   engine      current replica id (name#epoch)
 kvf:models                             set     none (pruned)      engine/op   model names known to the platform
 kvf:model:<model>:replicas             set     none (pruned)      engine      replica ids that heartbeat for the model
-kvf:model:<model>:config               string  none               operator    JSON schemas.ModelConfig
+kvf:model:<model>:config               string  none               operator    JSON schemas.ModelPolicy
 kvf:model:<model>:activity             string  none               gateway     last request time, unix seconds (float)
 kvf:model:<model>:wake_lock            string  PX (~30 s)         gateway     holder token of the one pending wake
 kvf:model:<model>:tokenizers           set     none               engine      published tokenizer revisions
@@ -112,48 +119,100 @@ def check_sha256_hex(value: str) -> str:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class KeyTemplate:
+    """The keys of one kind, for a Lua script that learns the varying part inside Redis.
+
+    ``head + part + tail`` is the key of ``part`` (a replica id, a model, a tenant, ...); the key
+    functions below are built from these templates, so a script given ``args()`` in ``ARGV`` builds
+    exactly the keys Python does (``ARGV[i] .. part .. ARGV[i + 1]``) without spelling any of them."""
+
+    head: str
+    tail: str = ""
+
+    def key(self, part: str) -> str:
+        return f"{self.head}{part}{self.tail}"
+
+    def args(self) -> list[str]:
+        """``[head, tail]``: a template's two ARGV entries."""
+        return [self.head, self.tail]
+
+
 # ---- replicas (engine) -------------------------------------------------------------------------
+
+_REPLICA = KeyTemplate(f"{PREFIX}replica:")
+_REPLICA_BLOCKS = KeyTemplate(f"{PREFIX}replica:", ":blocks")
+_REPLICA_RESYNC = KeyTemplate(f"{PREFIX}replica:", ":resync")
+_REPLICA_NAME = KeyTemplate(f"{PREFIX}name:")
 
 
 def replica(replica_id: str) -> str:
     """HASH, TTL = heartbeat TTL: the replica's heartbeat record plus ``kv_seq_applied``."""
     parse_replica_id(replica_id)
-    return f"{PREFIX}replica:{replica_id}"
+    return _REPLICA.key(replica_id)
+
+
+def replica_template() -> KeyTemplate:
+    """``replica`` of an id a script reads (e.g. a model's replica set)."""
+    return _REPLICA
 
 
 def replica_blocks(replica_id: str) -> str:
     """SET of 16-byte block hashes the replica caches; expires together with its heartbeat."""
     parse_replica_id(replica_id)
-    return f"{PREFIX}replica:{replica_id}:blocks"
+    return _REPLICA_BLOCKS.key(replica_id)
+
+
+def replica_blocks_template() -> KeyTemplate:
+    return _REPLICA_BLOCKS
 
 
 def replica_resync(replica_id: str) -> str:
     """SET, TTL 60 s: a full resync is uploaded here in chunks, then renamed onto ``replica_blocks``."""
     parse_replica_id(replica_id)
-    return f"{PREFIX}replica:{replica_id}:resync"
+    return _REPLICA_RESYNC.key(replica_id)
+
+
+def replica_resync_template() -> KeyTemplate:
+    return _REPLICA_RESYNC
 
 
 def replica_name(name: str) -> str:
     """STRING, TTL = heartbeat TTL: replica name -> its current replica id (the latest boot epoch)."""
-    return f"{PREFIX}name:{check_name(name, 'replica name')}"
+    return _REPLICA_NAME.key(check_name(name, "replica name"))
+
+
+def replica_name_template() -> KeyTemplate:
+    return _REPLICA_NAME
 
 
 # ---- models ----------------------------------------------------------------------------------------
 
+_MODEL_REPLICAS = KeyTemplate(f"{PREFIX}model:", ":replicas")
+_MODEL_POLICY = KeyTemplate(f"{PREFIX}model:", ":config")  # ":config": the wire name, older than ModelPolicy
+
 
 def models() -> str:
-    """SET of model names (added by a replica's heartbeat or a model config; removed by purge_model)."""
+    """SET of model names (added by a replica's heartbeat or a model policy; removed by purge_model)."""
     return f"{PREFIX}models"
 
 
 def model_replicas(model: str) -> str:
     """SET of replica ids serving ``model``; ids whose heartbeat expired are pruned when read."""
-    return f"{PREFIX}model:{check_name(model, 'model')}:replicas"
+    return _MODEL_REPLICAS.key(check_name(model, "model"))
 
 
-def model_config(model: str) -> str:
-    """STRING: JSON ``ModelConfig`` written by the operator."""
-    return f"{PREFIX}model:{check_name(model, 'model')}:config"
+def model_replicas_template() -> KeyTemplate:
+    return _MODEL_REPLICAS
+
+
+def model_policy(model: str) -> str:
+    """STRING: JSON ``schemas.ModelPolicy`` written by the operator (the key ends in ``:config``)."""
+    return _MODEL_POLICY.key(check_name(model, "model"))
+
+
+def model_policy_template() -> KeyTemplate:
+    return _MODEL_POLICY
 
 
 def model_activity(model: str) -> str:
@@ -173,10 +232,18 @@ def model_tokenizers(model: str) -> str:
 
 def model_tokenizer(model: str, revision: str) -> str:
     """HASH: file name -> file bytes of one tokenizer revision (revision = SHA-256 of the files)."""
-    return f"{PREFIX}model:{check_name(model, 'model')}:tokenizer:{check_sha256_hex(revision)}"
+    return model_tokenizer_template(model).key(check_sha256_hex(revision))
+
+
+def model_tokenizer_template(model: str) -> KeyTemplate:
+    """``model_tokenizer`` of ``model`` for a revision a script reads (its ``model_tokenizers`` set)."""
+    return KeyTemplate(f"{PREFIX}model:{check_name(model, 'model')}:tokenizer:")
 
 
 # ---- tenants ---------------------------------------------------------------------------------------
+
+_TENANT = KeyTemplate(f"{PREFIX}tenant:")
+_API_KEY = KeyTemplate(f"{PREFIX}apikey:")
 
 
 def tenants() -> str:
@@ -186,7 +253,11 @@ def tenants() -> str:
 
 def tenant(name: str) -> str:
     """STRING: JSON ``TenantRecord``."""
-    return f"{PREFIX}tenant:{check_name(name, 'tenant')}"
+    return _TENANT.key(check_name(name, "tenant"))
+
+
+def tenant_template() -> KeyTemplate:
+    return _TENANT
 
 
 def tenant_keys(name: str) -> str:
@@ -196,7 +267,11 @@ def tenant_keys(name: str) -> str:
 
 def api_key(sha256_hex: str) -> str:
     """STRING: SHA-256 hex of an API key -> tenant name."""
-    return f"{PREFIX}apikey:{check_sha256_hex(sha256_hex)}"
+    return _API_KEY.key(check_sha256_hex(sha256_hex))
+
+
+def api_key_template() -> KeyTemplate:
+    return _API_KEY
 
 
 def ratelimit(tenant_name: str, minute: int) -> str:
@@ -221,6 +296,15 @@ def inflight(tenant_name: str) -> str:
 
 # ---- gateways ----------------------------------------------------------------------------------------
 
+_GATEWAY_LOAD = KeyTemplate(f"{PREFIX}gateway:", ":load")
+
+LOAD_FIELD_REPLICA_REQUESTS = "ri:"
+"""``gateway_load`` field prefix: + replica id -> requests in flight to that replica."""
+LOAD_FIELD_REPLICA_PROMPT_TOKENS = "rp:"
+"""``gateway_load`` field prefix: + replica id -> prompt tokens routed there, not prefilled yet."""
+LOAD_FIELD_TENANT_REQUESTS = "t:"
+"""``gateway_load`` field prefix: + tenant -> the tenant's requests in flight on that gateway."""
+
 
 def gateways() -> str:
     """ZSET gateway id -> unix time of its last load report; members older than the load TTL are dead."""
@@ -232,9 +316,15 @@ def gateway_load(gateway_id: str) -> str:
 
     Fields: ``ri:<replica_id>`` requests in flight to a replica, ``rp:<replica_id>`` prompt tokens
     routed there that have not produced a first token yet (queued prefill), ``t:<tenant>`` the
-    tenant's requests in flight. Each gateway writes only its own hash (absolute values, never
-    increments), so a gateway that dies takes its counts with it when the hash expires."""
-    return f"{PREFIX}gateway:{check_name(gateway_id, 'gateway id')}:load"
+    tenant's requests in flight (prefixes ``LOAD_FIELD_*``). Each gateway writes only its own hash
+    (absolute values, never increments), so a gateway that dies takes its counts with it when the
+    hash expires."""
+    return _GATEWAY_LOAD.key(check_name(gateway_id, "gateway id"))
+
+
+def gateway_load_template() -> KeyTemplate:
+    """``gateway_load`` of the gateways a script finds in ``gateways()``."""
+    return _GATEWAY_LOAD
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -277,11 +367,11 @@ KEY_SPECS: tuple[KeySpec, ...] = (
     KeySpec("kvf:name:<replica_name>", "string", "heartbeat TTL, refreshed with it", "engine", "engine",
             "current replica id (name#epoch) of a replica name"),
     KeySpec("kvf:models", "set", "none; pruned by list_models", "engine, operator", "gateway, operator",
-            "model names (list_models drops those with no config and no live replica)"),
+            "model names (list_models drops those with no policy and no live replica)"),
     KeySpec("kvf:model:<model>:replicas", "set", "none; dead ids pruned on read", "engine",
             "gateway, operator", "replica ids of the model"),
     KeySpec("kvf:model:<model>:config", "string", "none", "operator", "gateway, operator",
-            "JSON schemas.ModelConfig (routing policy, idle sleep, allowed tenants)"),
+            "JSON schemas.ModelPolicy (routing policy, idle sleep, allowed tenants)"),
     KeySpec("kvf:model:<model>:activity", "string", "none", "gateway", "operator",
             "unix time (float s) of the model's last request"),
     KeySpec("kvf:model:<model>:wake_lock", "string", f"PX {WAKE_LOCK_TTL_MS} ms", "gateway", "gateway",

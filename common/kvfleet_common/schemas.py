@@ -1,7 +1,7 @@
 """Records kvfleet keeps in Redis (see ``redis_keys``), as msgspec Structs.
 
 - ``Heartbeat``: what a replica publishes every ~1 s (a Redis hash, one field per struct field).
-- ``TenantRecord`` / ``ModelConfig``: JSON documents written by the operator.
+- ``TenantRecord`` / ``ModelPolicy``: JSON documents written by the operator.
 - ``ReplicaStats``: the live numbers the engine hands its presence publisher.
 
 Block hashes are ``bytes`` (16) in Python, raw bytes inside Redis sets and hex in JSON.
@@ -129,8 +129,10 @@ class TenantRecord(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         return any(fnmatchcase(model, glob) for glob in self.models)
 
 
-class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Per-model settings the operator writes from the InferenceModel spec.
+class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Per-model routing and sleep policy the operator writes from the InferenceModel spec (the key
+    ``kvf:model:<model>:config``). Not the engine's ``kvfleet_engine.config.ModelConfig`` (a checkpoint's
+    architecture).
 
     ``sleep_idle_seconds=None`` never sleeps the model for idleness; ``allowed_tenants=None`` lets
     every tenant whose own ``models`` globs match call it.
@@ -151,7 +153,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return self.allowed_tenants is None or tenant_name in self.allowed_tenants
 
 
-def encode_json(record: TenantRecord | ModelConfig) -> bytes:
+def encode_json(record: TenantRecord | ModelPolicy) -> bytes:
     return msgspec.json.encode(record)
 
 
@@ -159,8 +161,8 @@ def decode_tenant(data: bytes) -> TenantRecord:
     return _decode_json(data, TenantRecord)
 
 
-def decode_model_config(data: bytes) -> ModelConfig:
-    return _decode_json(data, ModelConfig)
+def decode_model_policy(data: bytes) -> ModelPolicy:
+    return _decode_json(data, ModelPolicy)
 
 
 def _decode_json(data: bytes, typ):

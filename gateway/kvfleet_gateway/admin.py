@@ -7,7 +7,7 @@ their SHA-256.
 Tenant names follow the Tenant resource's rule (``redis_keys.check_tenant_name``: lowercase DNS-style,
 one URL path segment). ``POST /admin/tenants`` only ever creates (atomically: of concurrent creates of a
 name exactly one gets 201, the others 409); changes go through ``PATCH``. The operator writes tenants
-with ``Registry.upsert_tenant`` instead (the Tenant resource is the source of truth). The per-tenant
+with ``FleetStore.upsert_tenant`` instead (the Tenant resource is the source of truth). The per-tenant
 routes also accept a name stored before the rule (one with ``/``), so such a tenant can still be read,
 changed, deleted and have its keys revoked.
 """
@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvfleet_common import redis_keys
-from kvfleet_common.http import ApiError, bearer_matches
-from kvfleet_common.registry import RegistryError
+from kvfleet_common.fleet_store.runner import FleetStoreError
 from kvfleet_common.schemas import Heartbeat, TenantRecord
+from kvfleet_common.server_kit.http import ApiError, bearer_matches
 
 API_KEY_PREFIX = "kvf-"
 
@@ -120,18 +120,18 @@ def build_admin_router() -> APIRouter:
     @router.post("/tenants", status_code=201, response_model=TenantCreated)
     async def create_tenant(_: Admin, body: TenantCreate, request: Request) -> TenantCreated:
         st = state(request)
-        reg = st.registry
+        store = st.store
         fields = body.model_dump(exclude={"name"})
         if fields["cache_salt"] is None:  # default: the tenant's own cache, unguessable by others
             fields["cache_salt"] = secrets.token_hex(16)
         rec = _record(body.name, fields)
         exists = ApiError(409, f"tenant {body.name!r} already exists", param="name", code="tenant_exists")
-        if not await reg.create_tenant(rec):  # atomic: one of concurrent creates wins
+        if not await store.create_tenant(rec):  # atomic: one of concurrent creates wins
             raise exists
         key, key_hash = new_api_key()
         try:
-            key_id = await reg.add_api_key(rec.name, key_hash)
-        except RegistryError:  # deleted again before its first key was added
+            key_id = await store.add_api_key(rec.name, key_hash)
+        except FleetStoreError:  # deleted again before its first key was added
             raise ApiError(409, f"tenant {body.name!r} was deleted while being created", param="name",
                            code="tenant_conflict") from None  # fmt: skip
         st.tenants.forget()
@@ -139,9 +139,9 @@ def build_admin_router() -> APIRouter:
 
     @router.get("/tenants", response_model=list[TenantOut])
     async def list_tenants(_: Admin, request: Request) -> list[TenantOut]:
-        reg = state(request).registry
-        records = await reg.list_tenants()
-        keys = await asyncio.gather(*(reg.list_api_keys(r.name) for r in records))
+        store = state(request).store
+        records = await store.list_tenants()
+        keys = await asyncio.gather(*(store.list_api_keys(r.name) for r in records))
         return [_out(r, list(k)) for r, k in zip(records, keys)]
 
     async def _get(request: Request, name: str) -> TenantRecord:
@@ -149,7 +149,7 @@ def build_admin_router() -> APIRouter:
             redis_keys.check_name(name, "tenant")
         except ValueError as e:
             raise ApiError(400, str(e), param="name") from None
-        rec = await state(request).registry.get_tenant(name)
+        rec = await state(request).store.get_tenant(name)
         if rec is None:
             raise ApiError(404, f"tenant {name!r} does not exist", code="tenant_not_found")
         return rec
@@ -162,8 +162,8 @@ def build_admin_router() -> APIRouter:
         await _get(request, name)
         key, key_hash = new_api_key()
         try:
-            key_id = await st.registry.add_api_key(name, key_hash)
-        except RegistryError as e:
+            key_id = await st.store.add_api_key(name, key_hash)
+        except FleetStoreError as e:
             raise ApiError(404, str(e), code="tenant_not_found") from None
         st.tenants.forget()
         return KeyCreated(key_id=key_id, api_key=key)
@@ -172,7 +172,7 @@ def build_admin_router() -> APIRouter:
     async def remove_key(_: Admin, name: str, key_id: str, request: Request) -> dict:
         st = state(request)
         await _get(request, name)
-        if not await st.registry.remove_api_key(name, key_id):
+        if not await st.store.remove_api_key(name, key_id):
             raise ApiError(404, f"tenant {name!r} has no key {key_id!r}", code="key_not_found")
         st.tenants.forget(name)
         return {"name": name, "key_id": key_id, "deleted": True}
@@ -180,7 +180,7 @@ def build_admin_router() -> APIRouter:
     @router.get("/tenants/{name:path}", response_model=TenantOut)
     async def get_tenant(_: Admin, name: str, request: Request) -> TenantOut:
         rec = await _get(request, name)
-        return _out(rec, list(await state(request).registry.list_api_keys(name)))
+        return _out(rec, list(await state(request).store.list_api_keys(name)))
 
     @router.patch("/tenants/{name:path}", response_model=TenantOut)
     async def patch_tenant(_: Admin, name: str, body: TenantLimits, request: Request) -> TenantOut:
@@ -191,16 +191,16 @@ def build_admin_router() -> APIRouter:
             del changes["cache_salt"]  # null keeps the salt (it cannot be read back, only replaced)
         merged = {f: getattr(rec, f) for f in rec.__struct_fields__ if f != "name"} | changes
         new = _record(name, merged)  # null limits are unlimited; null models/priority take the defaults
-        if not await st.registry.update_tenant(new):  # never recreates a tenant deleted meanwhile
+        if not await st.store.update_tenant(new):  # never recreates a tenant deleted meanwhile
             raise ApiError(404, f"tenant {name!r} does not exist", code="tenant_not_found")
         st.tenants.forget(name)
-        return _out(new, list(await st.registry.list_api_keys(name)))
+        return _out(new, list(await st.store.list_api_keys(name)))
 
     @router.delete("/tenants/{name:path}")
     async def delete_tenant(_: Admin, name: str, request: Request) -> dict:
         st = state(request)
         await _get(request, name)
-        await st.registry.delete_tenant(name)
+        await st.store.delete_tenant(name)
         st.tenants.forget(name)
         return {"name": name, "deleted": True}
 
@@ -220,28 +220,28 @@ def build_admin_router() -> APIRouter:
     @router.get("/models")
     async def list_models(_: Admin, request: Request) -> dict:
         st = state(request)
-        reg = st.registry
+        store = st.store
         out = []
-        for name in await reg.list_models():
-            replicas, config = await asyncio.gather(reg.live_replicas(name), reg.get_model_config(name))
+        for name in await store.list_models():
+            replicas, policy = await asyncio.gather(store.live_replicas(name), store.get_model_policy(name))
             out.append({
                 "name": name,
-                "routing_policy": config.routing_policy if config else st.config.default_policy,
-                "config": msgspec.to_builtins(config) if config else None,
+                "routing_policy": policy.routing_policy if policy else st.config.default_policy,
+                "config": msgspec.to_builtins(policy) if policy else None,
                 "replicas": [_replica_json(hb, st) for hb in replicas],
             })  # fmt: skip
         return {"data": out}
 
     @router.get("/usage")
     async def usage(_: Admin, request: Request, tenant: Annotated[str | None, Query()] = None) -> dict:
-        reg = state(request).registry
+        store = state(request).store
         if tenant is not None:
             try:
                 redis_keys.check_name(tenant, "tenant")
             except ValueError as e:
                 raise ApiError(400, str(e), param="tenant") from None
-        names = [tenant] if tenant else [r.name for r in await reg.list_tenants()]
-        return {"data": await reg.tenant_usage(names)}
+        names = [tenant] if tenant else [r.name for r in await store.list_tenants()]
+        return {"data": await store.tenant_usage(names)}
 
     # ---- sleep / wake --------------------------------------------------------------------------------
 
@@ -250,7 +250,7 @@ def build_admin_router() -> APIRouter:
             redis_keys.check_name(model, "model")
         except ValueError as e:
             raise ApiError(400, str(e), param="model") from None
-        replicas = await state(request).registry.live_replicas(model)
+        replicas = await state(request).store.live_replicas(model)
         if not replicas:
             raise ApiError(404, f"no live replica of model {model!r}", code="model_not_found")
         if replica is not None:

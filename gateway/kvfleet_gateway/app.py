@@ -1,6 +1,6 @@
 """The gateway's FastAPI app: the OpenAI endpoints for tenants, the admin API, health and metrics.
 
-State lives in Redis; this process holds caches and background tasks only (registry snapshot refresh,
+State lives in Redis; this process holds caches and background tasks only (fleet snapshot refresh,
 load reporting), so any number of gateways can run side by side.
 """
 
@@ -17,9 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvfleet_common
-from kvfleet_common.gc_heap import freeze_long_lived
-from kvfleet_common.graceful import cancel_and_wait
-from kvfleet_common.http import BodySizeLimit, install_error_handlers
+from kvfleet_common.fleet_store.store import AsyncFleetStore
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,18 +25,22 @@ from kvfleet_common.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from kvfleet_common.registry import AsyncRegistry
-from kvfleet_common.request_limits import BoundedJsonRoute
-from kvfleet_common.runtime_metrics import watch_loop_lag
 from kvfleet_common.schemas import TenantRecord
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived
+from kvfleet_common.server_kit.graceful import cancel_and_wait
+from kvfleet_common.server_kit.http import BodySizeLimit, install_error_handlers
+from kvfleet_common.server_kit.request_limits import BoundedJsonRoute
+from kvfleet_common.server_kit.runtime_metrics import watch_loop_lag
 from kvfleet_gateway.admin import build_admin_router
 from kvfleet_gateway.auth import require_tenant
 from kvfleet_gateway.config import GatewayConfig
 from kvfleet_gateway.fast_path import GatewayApp, redis_down_response
-from kvfleet_gateway.fleet import FleetView, RedisCalls, RedisUnavailable, TenantCache
+from kvfleet_gateway.fleet import FleetView
 from kvfleet_gateway.load import LoadTracker
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.proxy import Proxy
+from kvfleet_gateway.store_calls import RedisUnavailable, StoreCalls
+from kvfleet_gateway.tenant_cache import TenantCache
 from kvfleet_gateway.tokenization import TokenizerCache
 from kvfleet_gateway.upstream import Upstream
 from kvfleet_gateway.wake import Waker
@@ -60,38 +62,38 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        registry = AsyncRegistry.from_url(
+        store = AsyncFleetStore.from_url(
             config.redis_url, max_concurrent_ops=config.max_concurrent_redis_ops,
             socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
         )  # fmt: skip
-        calls = RedisCalls(registry, metrics)
-        fleet = FleetView(calls, metrics, config.registry_refresh_s, config.registry_max_staleness_s)
+        calls = StoreCalls(store, metrics)
+        fleet = FleetView(calls, metrics, config.fleet_refresh_s, config.fleet_max_staleness_s)
         http = Upstream(
             config.upstream_connect_timeout_s, config.upstream_read_timeout_s, config.max_upstream_connections
         )
         load = LoadTracker(config.gateway_id, calls, config.load_report_interval_s)
         tokenizers = TokenizerCache(lambda m, rev: calls("fetch_tokenizer", "background",
-                                                         lambda: registry.fetch_tokenizer(m, rev)))  # fmt: skip
+                                                         lambda: store.fetch_tokenizer(m, rev)))  # fmt: skip
         waker = Waker(
             fleet, calls, http, metrics, config.admin_token, config.gateway_id, config.wake_timeout_s
         )
         st = app.state
-        st.registry, st.fleet, st.http, st.load, st.waker = registry, fleet, http, load, waker
-        st.tenants = TenantCache(calls, config.tenant_cache_ttl_s, config.registry_max_staleness_s)
+        st.store, st.fleet, st.http, st.load, st.waker = store, fleet, http, load, waker
+        st.tenants = TenantCache(calls, config.tenant_cache_ttl_s, config.fleet_max_staleness_s)
         st.proxy = Proxy(config, fleet, calls, load, tokenizers, waker, metrics, http)
         try:
             await fleet.refresh()
         except Exception as e:  # start anyway: the refresher keeps trying; requests get 503 meanwhile
-            logger.warning("initial registry read failed (%s); retrying in the background", e)
+            logger.warning("initial fleet snapshot read failed (%s); retrying in the background", e)
         freeze_long_lived("gateway started")
-        tasks = [asyncio.create_task(fleet.run(), name="registry-refresh"),
+        tasks = [asyncio.create_task(fleet.run(), name="fleet-refresh"),
                  asyncio.create_task(load.run(), name="load-report"),
                  asyncio.create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")]  # fmt: skip
         logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, _redact(config.redis_url),
                     len(fleet.models))  # fmt: skip
         try:
             yield
-        finally:  # after the server's bounded drain (kvfleet_common.graceful); each step bounded too
+        finally:  # after the server's bounded drain (kvfleet_common.server_kit.graceful); each step bounded too
             waker.stop()  # a request still waiting for a model to wake gets its 503 now
             http.cut("the gateway is shutting down")  # a response still relayed ends now, with an error event
             for t in await cancel_and_wait(tasks, 1.0):
@@ -101,7 +103,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
             except TimeoutError:
                 logger.warning("could not flush usage and deregister from Redis within 2 s")
             await http.aclose()
-            await registry.aclose()
+            await store.aclose()
 
     app = GatewayApp(
         title="kvfleet gateway",
@@ -130,7 +132,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         cards = []
         for name, view in sorted(fleet.models.items()):
             if not tenant.allows_model(name) or (
-                view.config is not None and not view.config.allows_tenant(tenant.name)
+                view.policy is not None and not view.policy.allows_tenant(tenant.name)
             ):
                 continue
             max_len = max((hb.max_model_len for hb in view.replicas), default=None)
@@ -147,14 +149,15 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """Liveness: the process serves. ``registry`` tells whether the Redis snapshot is fresh."""
+        """Liveness: the process serves. ``registry`` (the field's historical name) tells whether the
+        fleet snapshot read from Redis is fresh."""
         fleet: FleetView = request.app.state.fleet
         try:
             fleet.check_fresh()
-            registry = "ok"
+            snapshot = "ok"
         except RedisUnavailable:
-            registry = "stale"
-        return JSONResponse({"status": "ok", "registry": registry, "models": len(fleet.models),
+            snapshot = "stale"
+        return JSONResponse({"status": "ok", "registry": snapshot, "models": len(fleet.models),
                              "gateway_id": config.gateway_id})  # fmt: skip
 
     @app.get("/ready")

@@ -6,9 +6,9 @@ import hashlib
 
 from fastapi import Request
 
-from kvfleet_common.http import ApiError, bearer_token
 from kvfleet_common.schemas import TenantRecord
-from kvfleet_gateway.fleet import RedisUnavailable, registry_unavailable
+from kvfleet_common.server_kit.http import ApiError, bearer_token
+from kvfleet_gateway.store_calls import RedisUnavailable, store_unavailable_error
 
 
 async def require_tenant(request: Request) -> TenantRecord:
@@ -22,7 +22,7 @@ async def require_tenant(request: Request) -> TenantRecord:
     try:
         tenant = await request.app.state.tenants.lookup(hashlib.sha256(token.encode()).hexdigest())
     except RedisUnavailable as e:
-        raise registry_unavailable(e) from None
+        raise store_unavailable_error(e) from None
     if tenant is None:
         request.app.state.metrics.rejected.labels("auth").inc()
         raise ApiError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

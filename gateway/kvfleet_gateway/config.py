@@ -19,11 +19,11 @@ def default_gateway_id() -> str:
 class GatewayConfig:
     redis_url: str
     admin_token: str | None = None
-    default_policy: str = "prefix-aware"  # for models without a config in Redis
+    default_policy: str = "prefix-aware"  # for models without a policy in Redis
     gateway_id: str = field(default_factory=default_gateway_id)
     max_body_bytes: int = 32 << 20
-    registry_refresh_s: float = 0.5
-    registry_max_staleness_s: float = 30.0  # serve from the last known registry this long while Redis is down
+    fleet_refresh_s: float = 0.5  # --registry-refresh (the flag keeps its published name)
+    fleet_max_staleness_s: float = 30.0  # serve from the last fleet snapshot this long while Redis is down
     tenant_cache_ttl_s: float = 2.0
     recent_routes_ttl_s: float = 30.0  # trust "prefix routed there" this long before the KV index shows it
     load_report_interval_s: float = 0.05

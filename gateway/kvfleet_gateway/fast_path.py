@@ -11,7 +11,7 @@ order FastAPI ran them (0.2 ms, 12 %, less gateway CPU per one-token stream; doc
     body over the size limit (413) -> body not JSON (400) -> the tenant's key (401) -> the body's fields
     (400, pydantic, the same request models) -> ``Proxy.handle`` (404 / 403 / 429 / 503 / the answer)
 
-Errors have the same shapes and messages (``kvfleet_common.http``), a Redis outage is a 503, a bug a 500
+Errors have the same shapes and messages (``kvfleet_common.server_kit.http``), a Redis outage is a 503, a bug a 500
 without a traceback. Everything else (``/v1/models``, the admin API, health, metrics, docs) goes to
 FastAPI, where the two endpoints are still declared: they document the API (OpenAPI), and serve it with
 ``--no-fast-path`` (``GatewayConfig.fast_path``), which the tests use to show both paths answer alike.
@@ -23,7 +23,7 @@ Ahead of both paths, for every route (``edge_problem``): a request with two ``Au
 (which one would count?), and so is a path whose percent-escapes stand for characters that never need one
 (letters, digits, ``-._~``, ``/``, ``%``): ``/%61dmin/tenants`` would reach ``/admin/tenants`` after a path
 filter in front of the gateway let it through as something else. A body nesting JSON deeper than
-``MAX_JSON_DEPTH`` is a 400 before it is parsed (``kvfleet_common.request_limits``).
+``MAX_JSON_DEPTH`` is a 400 before it is parsed (``kvfleet_common.server_kit.request_limits``).
 """
 
 from __future__ import annotations
@@ -41,18 +41,18 @@ from fastapi.responses import Response
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from kvfleet_common.http import (
+from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet_common.server_kit.http import (
     ApiError,
     declared_length_exceeds,
     too_large_response,
     unexpected_error_response,
     validation_error_response,
 )
-from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvfleet_common.request_limits import json_too_deep, json_too_deep_error
+from kvfleet_common.server_kit.request_limits import json_too_deep, json_too_deep_error
 from kvfleet_gateway.auth import require_tenant
-from kvfleet_gateway.fleet import registry_unavailable
 from kvfleet_gateway.proxy import RECEIVED_AT
+from kvfleet_gateway.store_calls import store_unavailable_error
 
 logger = logging.getLogger("kvfleet_gateway")
 
@@ -164,7 +164,7 @@ async def _answer(endpoint: str, model: type[pydantic.BaseModel], raw: bytes, re
 
 def redis_down_response(exc: Exception) -> Response:
     logger.warning("redis unavailable: %s", exc)
-    return registry_unavailable("the registry (Redis) is unavailable").response()
+    return store_unavailable_error("the fleet store (Redis) is unavailable").response()
 
 
 def _rejected(request: Request, response: Response) -> Response:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
+from kvfleet_common.server_kit.connection_flags import add_connection_args, uvicorn_connection_options
 from kvfleet_gateway.routing import POLICIES
 
 # regexes searched in the URL (OpenTelemetry's excluded_urls)
@@ -49,13 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--registry-max-staleness",
         type=float,
         default=30.0,
-        help="seconds to keep routing from the last known registry while Redis is unreachable",
+        help="seconds to keep routing from the last fleet snapshot while Redis is unreachable",
     )
     p.add_argument(
         "--registry-refresh",
         type=float,
         default=0.5,
-        help="seconds between reads of the replica registry (heartbeats, model configs) from Redis",
+        help="seconds between reads of the fleet snapshot (heartbeats, model policies) from Redis",
     )
     p.add_argument(
         "--recent-routes-ttl",
@@ -102,9 +102,9 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from kvfleet_common.gc_heap import mark_server_process
-    from kvfleet_common.graceful import BoundedShutdownServer
-    from kvfleet_common.tracing import setup_tracing
+    from kvfleet_common.server_kit.gc_heap import mark_server_process
+    from kvfleet_common.server_kit.graceful import BoundedShutdownServer
+    from kvfleet_common.server_kit.tracing import setup_tracing
     from kvfleet_gateway.app import build_app
     from kvfleet_gateway.config import GatewayConfig
 
@@ -119,15 +119,15 @@ def main(argv: list[str]) -> int:
         config = GatewayConfig(
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
             max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
-            registry_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
-            registry_refresh_s=args.registry_refresh, fast_path=args.fast_path,
+            fleet_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
+            fleet_refresh_s=args.registry_refresh, fast_path=args.fast_path,
             upstream_read_timeout_s=args.upstream_read_timeout, **kw,
         )  # fmt: skip
     except ValueError as e:
         print(f"kvfleet gateway: {e}")
         return 2
     app = build_app(config)
-    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.gc_heap)
+    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.server_kit.gc_heap)
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 

@@ -1,7 +1,7 @@
 """This gateway's in-flight load and finished usage, and the background task that shares them via Redis.
 
 The request path only changes local counters (no await, no Redis). A reporter task publishes the
-absolute counts with ``Registry.report_gateway`` -- every ``interval`` (~50 ms) while something
+absolute counts with ``FleetStore.report_gateway`` -- every ``interval`` (~50 ms) while something
 changed, and at least every second so the hash never expires while the gateway lives. Other gateways
 read them inside their admission round trip, so in-flight counts and queued prompt tokens are shared
 fleet-wide at most one interval late, without a Redis write on any request's path.
@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvfleet_common.registry import Reservation, UsageRecord
-from kvfleet_gateway.fleet import REDIS_ERRORS, RedisCalls
+from kvfleet_common.fleet_store.admission import Reservation, UsageRecord
+from kvfleet_gateway.store_calls import REDIS_ERRORS, StoreCalls
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Lease:
 
 
 class LoadTracker:
-    def __init__(self, gateway_id: str, redis_calls: RedisCalls, interval: float = 0.05) -> None:
+    def __init__(self, gateway_id: str, redis_calls: StoreCalls, interval: float = 0.05) -> None:
         self.gateway_id = gateway_id
         self._redis = redis_calls
         self.interval = interval
@@ -165,11 +165,11 @@ class LoadTracker:
         if now - self._renewed_at >= HEARTBEAT_S:  # a lease lives LEASE_TTL_S (10 s): renewed every ~1 s
             leases = {t: [i for i, x in live.items() if x.shared] for t, live in self.leases.items()}
         load = {r: (n, self.replica_queued[r]) for r, n in self.replica_inflight.items()}
-        reg = self._redis.registry
+        store = self._redis.store
         try:
             await self._redis(
                 "report_gateway", "background",
-                lambda: reg.report_gateway(self.gateway_id, load, dict(self.tenant_inflight), usage,
+                lambda: store.report_gateway(self.gateway_id, load, dict(self.tenant_inflight), usage,
                                            leases=leases, released=released, refunds=refunds),
             )  # fmt: skip
         except BaseException:
@@ -187,7 +187,7 @@ class LoadTracker:
             try:
                 await self.report()
             except REDIS_ERRORS:
-                await asyncio.sleep(HEARTBEAT_S)  # logged once by RedisCalls
+                await asyncio.sleep(HEARTBEAT_S)  # logged once by StoreCalls
                 continue
             except Exception:
                 logger.exception("reporting gateway load failed")
@@ -200,9 +200,9 @@ class LoadTracker:
 
     async def close(self) -> None:
         """Flush pending usage and remove this gateway's load (its requests are finished)."""
-        reg = self._redis.registry
+        store = self._redis.store
         try:
             await self.report()
-            await self._redis("remove_gateway", "background", lambda: reg.remove_gateway(self.gateway_id))
+            await self._redis("remove_gateway", "background", lambda: store.remove_gateway(self.gateway_id))
         except REDIS_ERRORS:
             logger.warning("could not flush usage to Redis at shutdown (%d records lost)", len(self._usage))

@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvfleet_common.runtime_metrics import add_process_collectors, loop_lag_histogram
+from kvfleet_common.server_kit.runtime_metrics import add_process_collectors, loop_lag_histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # sub-millisecond resolution: the added latency budget is 2 ms (bench/gateway_overhead.py)

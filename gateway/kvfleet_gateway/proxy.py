@@ -31,20 +31,27 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from kvfleet_common import redis_keys
+from kvfleet_common.fleet_store.admission import (
+    Admission,
+    AdmitResult,
+    Reservation,
+    UsageRecord,
+    rate_retry_after,
+)
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.http import ApiError, client_request_id
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
-from kvfleet_common.registry import Admission, AdmitResult, Reservation, UsageRecord, rate_retry_after
-from kvfleet_common.request_limits import clip, context_problem
 from kvfleet_common.schemas import Heartbeat, TenantRecord
-from kvfleet_common.tracing import inject_headers, start_request_span
+from kvfleet_common.server_kit.http import ApiError, client_request_id
+from kvfleet_common.server_kit.request_limits import clip, context_problem
+from kvfleet_common.server_kit.tracing import inject_headers, start_request_span
 from kvfleet_gateway.config import GatewayConfig
-from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls, RedisUnavailable, registry_unavailable
+from kvfleet_gateway.fleet import FleetView
 from kvfleet_gateway.load import Lease, LoadTracker, Ticket
 from kvfleet_gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from kvfleet_gateway.recent_routes import RecentRoutes
 from kvfleet_gateway.relay import SseRelay, unless_client_leaves
 from kvfleet_gateway.routing import Candidate, Decision, choose
+from kvfleet_gateway.store_calls import REDIS_ERRORS, RedisUnavailable, StoreCalls, store_unavailable_error
 from kvfleet_gateway.tokenization import PromptTooLarge, TokenizerCache, bounded_prompt_token_ids
 from kvfleet_gateway.upstream import (
     Upstream,
@@ -104,7 +111,7 @@ class Proxy:
         self,
         config: GatewayConfig,
         fleet: FleetView,
-        redis_calls: RedisCalls,
+        redis_calls: StoreCalls,
         load: LoadTracker,
         tokenizers: TokenizerCache,
         waker: Waker,
@@ -171,14 +178,14 @@ class Proxy:
         try:
             self.fleet.check_fresh()
         except RedisUnavailable as e:
-            raise registry_unavailable(e) from None
+            raise store_unavailable_error(e) from None
         if view is None:  # any string a client sends: echoed clipped, counted under one label
             self.metrics.rejected.labels("unknown_model").inc()
             raise ApiError(
                 404, f"the model {clip(r.model)} does not exist", param="model", code="model_not_found"
             )
         if not r.tenant.allows_model(r.model) or (
-            view.config is not None and not view.config.allows_tenant(r.tenant.name)
+            view.policy is not None and not view.policy.allows_tenant(r.tenant.name)
         ):
             self.metrics.rejected.labels("forbidden").inc()
             raise ApiError(403, f"tenant {r.tenant.name!r} may not use the model {r.model!r}",
@@ -238,9 +245,9 @@ class Proxy:
         released = self.load.released_leases(t.name)
         admission = Admission(self.load.gateway_id, t, r.model, [hb.replica_id for hb in replicas], hashes,
                               lease.id if lease.shared else "", reserve, released)  # fmt: skip
-        reg = self.redis.registry
+        store = self.redis.store
         try:
-            result = await self.redis("admit", "request", lambda: reg.admit(admission))
+            result = await self.redis("admit", "request", lambda: store.admit(admission))
         except REDIS_ERRORS:  # (any other exception: handle() releases the lease)
             r.fallbacks.append("redis_unavailable")
             if self.load.admit_locally(lease, t.max_concurrent):
@@ -268,7 +275,7 @@ class Proxy:
         self, r: Routed, replicas: list[Heartbeat], admitted: AdmitResult | None, n_hashes: int
     ) -> Decision:
         view = self.fleet.model(r.model)
-        policy = view.config.routing_policy if view and view.config else self.config.default_policy
+        policy = view.policy.routing_policy if view and view.policy else self.config.default_policy
         block_size = replicas[0].block_size
         max_hit = (r.prompt_tokens - 1) // block_size if r.prompt_tokens else 0
         now = time.monotonic()

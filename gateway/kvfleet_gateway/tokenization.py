@@ -7,7 +7,7 @@ exactly as the engine's server does: completions encode the (first) prompt with 
 renders the chat template to text and encodes it without adding special tokens again.
 
 On the request path (``bounded_prompt_token_ids``) the prompt's size is bounded first, against what the
-model's context can hold (``kvfleet_common.request_limits.TextBound``, measured once per tokenizer), and long
+model's context can hold (``kvfleet_common.server_kit.request_limits.TextBound``, measured once per tokenizer), and long
 texts are tokenized in a worker thread: one tenant's huge prompt never holds the event loop.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvfleet_common.gc_heap import freeze_long_lived
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvfleet_common.request_limits import TextBound, encode, encode_off_loop
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived
+from kvfleet_common.server_kit.request_limits import TextBound, encode, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _chat_text(tokenizer: Any, request: ChatCompletionRequest) -> str | None:
         return None
 
 
-_encode = encode  # kvfleet_common.request_limits.encode: the engine's ids, without the wrapper's Python
+_encode = encode  # kvfleet_common.server_kit.request_limits.encode: the engine's ids, without the wrapper's Python
 
 
 class TokenizerCache:

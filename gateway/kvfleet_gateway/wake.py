@@ -14,10 +14,11 @@ import logging
 import time
 import uuid
 
-from kvfleet_common.http import ApiError
 from kvfleet_common.schemas import Heartbeat
-from kvfleet_gateway.fleet import REDIS_ERRORS, FleetView, RedisCalls
+from kvfleet_common.server_kit.http import ApiError
+from kvfleet_gateway.fleet import FleetView
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.store_calls import REDIS_ERRORS, StoreCalls
 from kvfleet_gateway.upstream import Upstream, UpstreamConnectError, UpstreamReadError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def _shutting_down() -> ApiError:
 
 class Waker:
     def __init__(
-        self, fleet: FleetView, redis_calls: RedisCalls, client: Upstream, metrics: GatewayMetrics,
+        self, fleet: FleetView, redis_calls: StoreCalls, client: Upstream, metrics: GatewayMetrics,
         admin_token: str | None, holder: str, timeout: float,
     ) -> None:  # fmt: skip
         self.fleet = fleet
@@ -96,7 +97,7 @@ class Waker:
     async def _wake(self, model: str) -> None:
         deadline = time.monotonic() + self.timeout
         token = f"{self.holder}:{uuid.uuid4().hex[:8]}"
-        reg = self.redis.registry
+        store = self.redis.store
         logger.info("model %s is asleep: waking it for a waiting request", model)
         while True:
             view = self.fleet.model(model)
@@ -115,7 +116,7 @@ class Waker:
                                headers={"Retry-After": "10"})  # fmt: skip
             try:
                 got = await self.redis(
-                    "acquire_wake_lock", "request", lambda: reg.acquire_wake_lock(model, token)
+                    "acquire_wake_lock", "request", lambda: store.acquire_wake_lock(model, token)
                 )
             except REDIS_ERRORS:
                 got = True  # without Redis, de-duplication across gateways is lost; waking still works
@@ -129,6 +130,6 @@ class Waker:
                 finally:
                     with contextlib.suppress(REDIS_ERRORS):
                         await self.redis(
-                            "release_wake_lock", "request", lambda: reg.release_wake_lock(model, token)
+                            "release_wake_lock", "request", lambda: store.release_wake_lock(model, token)
                         )
             await self.fleet.wait_changed(timeout=min(0.5, max(0.0, deadline - time.monotonic())))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-from kvfleet_common import gc_heap
-from kvfleet_common.gc_heap import freeze_long_lived
+from kvfleet_common.server_kit import gc_heap
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived
 
 
 class Node:

@@ -14,7 +14,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from kvfleet_common.http_protocol import bounded_read_protocol  # noqa: E402
+from kvfleet_common.server_kit.http_protocol import bounded_read_protocol  # noqa: E402
 
 LIMIT = 16 * 1024
 READ_TIMEOUT = 1.0

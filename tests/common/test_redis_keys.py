@@ -1,13 +1,16 @@
 """The Redis contract's pure parts: key names, the key table, schemas and helpers (no Redis needed)."""
 
+import re
+from importlib import resources
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from kvfleet_common import redis_keys as keys
-from kvfleet_common.registry import encode_kv_events, leading_matches, tokenizer_revision
-from kvfleet_common.schemas import Heartbeat, ModelConfig, TenantRecord, decode_model_config, decode_tenant
+from kvfleet_common.fleet_store.kv_index import encode_kv_events, leading_matches
+from kvfleet_common.fleet_store.tokenizers import tokenizer_revision
+from kvfleet_common.schemas import Heartbeat, ModelPolicy, TenantRecord, decode_model_policy, decode_tenant
 
 SHA = "ab" * 32
 EXAMPLE_KEYS = {
@@ -17,7 +20,7 @@ EXAMPLE_KEYS = {
     "kvf:name:<replica_name>": keys.replica_name("pod-0"),
     "kvf:models": keys.models(),
     "kvf:model:<model>:replicas": keys.model_replicas("org/Model-1.5B"),
-    "kvf:model:<model>:config": keys.model_config("m"),
+    "kvf:model:<model>:config": keys.model_policy("m"),
     "kvf:model:<model>:activity": keys.model_activity("m"),
     "kvf:model:<model>:wake_lock": keys.model_wake_lock("m"),
     "kvf:model:<model>:tokenizers": keys.model_tokenizers("m"),
@@ -43,6 +46,66 @@ def test_every_key_function_maps_to_exactly_its_spec():
         assert keys.spec_for(key.encode()).pattern == pattern
 
 
+TEMPLATES = [  # (template, the key function it must agree with, a valid part)
+    (keys.replica_template(), keys.replica, "pod-0#1"),
+    (keys.replica_blocks_template(), keys.replica_blocks, "pod-0#1"),
+    (keys.replica_resync_template(), keys.replica_resync, "pod-0#1"),
+    (keys.replica_name_template(), keys.replica_name, "pod-0"),
+    (keys.model_replicas_template(), keys.model_replicas, "org/m"),
+    (keys.model_policy_template(), keys.model_policy, "org/m"),
+    (keys.model_tokenizer_template("m"), lambda rev: keys.model_tokenizer("m", rev), SHA),
+    (keys.tenant_template(), keys.tenant, "acme"),
+    (keys.api_key_template(), keys.api_key, SHA),
+    (keys.gateway_load_template(), keys.gateway_load, "gw-1"),
+]
+
+
+@pytest.mark.parametrize(("template", "key_of", "part"), TEMPLATES)
+def test_key_templates_build_the_same_keys_as_the_key_functions(template, key_of, part):
+    assert template.key(part) == key_of(part)
+    assert keys.spec_for(template.key(part)) is not None
+    assert template.args() == [template.head, template.tail]
+
+
+def _lua_files() -> dict[str, str]:
+    lua = resources.files("kvfleet_common.fleet_store").joinpath("lua")
+    return {f.name: f.read_text() for f in lua.iterdir() if f.name.endswith(".lua")}
+
+
+def _lua_string_literals(source: str) -> list[str]:
+    code = re.sub(r"--[^\n]*", "", source)  # comments may name keys; only code must not
+    return [m[1] if m[1] is not None else m[2] for m in re.finditer(r"'([^']*)'|\"([^\"]*)\"", code)]
+
+
+def test_no_lua_script_spells_a_key():
+    """Keys come from redis_keys only: a script gets them as KEYS or as KeyTemplates in ARGV, so no string
+    in its code holds a key name, a key prefix or the key separator ':'."""
+    scripts = _lua_files()
+    assert len(scripts) >= 16  # one file per script, shipped as package data
+    fragments = {part for spec in keys.KEY_SPECS for part in re.split(r"<[^>]+>", spec.pattern) if part}
+    for name, source in scripts.items():
+        code = re.sub(r"--[^\n]*", "", source)
+        assert keys.PREFIX not in code, name
+        for literal in _lua_string_literals(source):
+            assert ":" not in literal, (name, literal)
+            assert not any(f in literal for f in fragments), (name, literal)
+
+
+def test_every_lua_script_is_loaded_by_an_operation():
+    import kvfleet_common.fleet_store as package
+    from kvfleet_common.fleet_store import store  # noqa: F401  (imports every concern module)
+    from kvfleet_common.fleet_store.runner import Script
+
+    loaded = {
+        value.source
+        for module in vars(package).values()
+        if hasattr(module, "__dict__") and getattr(module, "__name__", "").startswith(package.__name__)
+        for value in vars(module).values()
+        if isinstance(value, Script)
+    }
+    assert set(_lua_files().values()) == loaded
+
+
 def test_unknown_keys_have_no_spec():
     for key in ["kvf:replica:pod-0", "kvf:whatever", "other:models", "kvf:model:a:b:config", b"kvf:\xff"]:
         assert keys.spec_for(key) is None
@@ -53,7 +116,7 @@ def test_names_that_would_make_keys_ambiguous_are_rejected(bad):
     with pytest.raises(ValueError, match="invalid"):
         keys.check_name(bad)
     with pytest.raises(ValueError):
-        keys.model_config(bad)
+        keys.model_policy(bad)
 
 
 def test_replica_ids_round_trip_and_reject_garbage():
@@ -108,7 +171,7 @@ def test_malformed_heartbeats_are_rejected(change):
         Heartbeat.from_redis_fields(fields)
 
 
-def test_tenant_and_model_config_json():
+def test_tenant_and_model_policy_json():
     t = TenantRecord(name="acme", models=["llama-*", "org/*"], requests_per_minute=60, cache_salt="s1")
     assert decode_tenant(msgspec.json.encode(t)) == t
     assert t.allows_model("llama-3") and t.allows_model("org/x") and not t.allows_model("qwen")
@@ -116,17 +179,17 @@ def test_tenant_and_model_config_json():
     for bad in [b'{"name": "a:b"}', b'{"name": "a", "requests_per_minute": 0}', b'{"name": "a", "extra": 1}']:
         with pytest.raises(msgspec.ValidationError):
             decode_tenant(bad)
-    c = ModelConfig(
+    c = ModelPolicy(
         model="m",
         routing_policy="least-load",
         sleep_idle_seconds=300,
         sleep_level=2,
         allowed_tenants=["acme"],
     )
-    assert decode_model_config(msgspec.json.encode(c)) == c
+    assert decode_model_policy(msgspec.json.encode(c)) == c
     assert c.allows_tenant("acme") and not c.allows_tenant("other")
     with pytest.raises(msgspec.ValidationError):
-        decode_model_config(b'{"model": "m", "routing_policy": "random"}')
+        decode_model_policy(b'{"model": "m", "routing_policy": "random"}')
 
 
 def test_tokenizer_revision_names_the_contents():

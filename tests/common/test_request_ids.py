@@ -1,4 +1,4 @@
-"""Which client ``X-Request-Id`` the servers carry on (``kvfleet_common.http.client_request_id``)."""
+"""Which client ``X-Request-Id`` the servers carry on (``kvfleet_common.server_kit.http.client_request_id``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ pytest.importorskip("fastapi")
 
 from starlette.requests import Request
 
-from kvfleet_common.http import MAX_REQUEST_ID_CHARS, client_request_id
+from kvfleet_common.server_kit.http import MAX_REQUEST_ID_CHARS, client_request_id
 
 
 def _request(value: bytes | None) -> Request:

@@ -1,12 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-# the engine-server harness (run_server, process helpers) lives next to the server tests
-sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
-
-from gateway_harness import Fleet
+from tests.gateway.gateway_harness import Fleet
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from redis_server import RedisServer
-from server_harness import ADMIN_TOKEN, ServerHandle, alive, descendants_of, free_port, run_server
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_devkit.redis_server import RedisServer
+from tests.server.server_harness import (
+    ADMIN_TOKEN,
+    ServerHandle,
+    alive,
+    descendants_of,
+    free_port,
+    run_server,
+)
 
 MODEL = "tiny"
 
@@ -72,7 +79,7 @@ class GatewayHandle:
 def run_gateway(redis_url: str, log_dir: Path, *extra: str, env: dict | None = None, timeout: float = 60):
     port = free_port()
     log_path = log_dir / f"gateway-{port}.log"
-    cmd = [sys.executable, "-m", "kvfleet_common.cli", "gateway", "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "kvfleet_cli.main", "gateway", "--redis-url", redis_url,
            "--host", "127.0.0.1", "--port", str(port), "--admin-token", ADMIN_TOKEN, *extra]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -116,10 +123,10 @@ class Fleet:
     def gateway(self) -> GatewayHandle:
         return self.gateways[0]
 
-    def registry(self) -> Registry:
-        reg = Registry.from_url(self.redis.url)
-        self._stack.callback(reg.close)
-        return reg
+    def store(self) -> FleetStore:
+        store = FleetStore.from_url(self.redis.url)
+        self._stack.callback(store.close)
+        return store
 
     def start_engines(self, n: int, *extra: str, env: dict | None = None) -> list[ServerHandle]:
         started = []
@@ -132,8 +139,8 @@ class Fleet:
             ))  # fmt: skip
             self.engines.append(handle)
             started.append(handle)
-        reg = self.registry()
-        wait_until(lambda: len([hb for hb in reg.live_replicas(MODEL) if hb.state == "awake"]) >= len(self.engines),
+        store = self.store()
+        wait_until(lambda: len([hb for hb in store.live_replicas(MODEL) if hb.state == "awake"]) >= len(self.engines),
                    60, 0.2, "the replicas to register")  # fmt: skip
         return started
 

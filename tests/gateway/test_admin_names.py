@@ -8,12 +8,12 @@ import threading
 
 import httpx
 import pytest
-from gateway_harness import run_gateway
-from redis_server import RedisServer
 
 from kvfleet_common import redis_keys
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.schemas import TenantRecord, encode_json
+from kvfleet_devkit.redis_server import RedisServer
+from tests.gateway.gateway_harness import run_gateway
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def gw(redis_url, tmp_path_factory):
 
 
 @pytest.fixture
-def reg(redis_url):
-    r = Registry.from_url(redis_url)
+def store(redis_url):
+    r = FleetStore.from_url(redis_url)
     yield r
     r.close()
 
@@ -69,7 +69,7 @@ def test_every_valid_name_can_be_created_read_have_its_keys_revoked_and_be_delet
     assert not authenticates(gw, second["api_key"])
 
 
-def test_concurrent_creates_of_one_name_make_one_tenant_with_one_key(gw, reg):
+def test_concurrent_creates_of_one_name_make_one_tenant_with_one_key(gw, store):
     barrier, results = threading.Barrier(10), []
 
     def create(i: int) -> None:
@@ -85,40 +85,40 @@ def test_concurrent_creates_of_one_name_make_one_tenant_with_one_key(gw, reg):
     [won] = [r.json() for r in results if r.status_code == 201]
     for lost in (r.json() for r in results if r.status_code == 409):
         assert lost["error"]["code"] == "tenant_exists" and "api_key" not in lost
-    assert list(reg.list_api_keys("contested")) == [won["key_id"]]
+    assert list(store.list_api_keys("contested")) == [won["key_id"]]
     assert authenticates(gw, won["api_key"])
     assert gw.admin("DELETE", "/admin/tenants/contested").status_code == 200
 
 
-def test_create_never_overwrites_and_patch_never_recreates(gw, reg):
+def test_create_never_overwrites_and_patch_never_recreates(gw, store):
     first = gw.admin("POST", "/admin/tenants", json={"name": "keep", "requests_per_minute": 5}).json()
     overwrite = {"name": "keep", "requests_per_minute": 99, "cache_salt": ""}
     again = gw.admin("POST", "/admin/tenants", json=overwrite)
     assert again.status_code == 409
-    kept = reg.get_tenant("keep")
+    kept = store.get_tenant("keep")
     assert kept.requests_per_minute == 5 and kept.cache_salt != ""  # nothing of the refused create landed
     assert authenticates(gw, first["api_key"])
     assert gw.admin("DELETE", "/admin/tenants/keep").status_code == 200
     r = gw.admin("PATCH", "/admin/tenants/keep", json={"requests_per_minute": 7})
     assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"
-    assert reg.get_tenant("keep") is None and "keep" not in [t.name for t in reg.list_tenants()]
+    assert store.get_tenant("keep") is None and "keep" not in [t.name for t in store.list_tenants()]
 
 
-def test_the_operators_upsert_creates_and_replaces(reg):
-    assert reg.upsert_tenant(TenantRecord(name="synced", requests_per_minute=1)) is True
-    assert reg.upsert_tenant(TenantRecord(name="synced", requests_per_minute=2)) is False
-    assert reg.get_tenant("synced").requests_per_minute == 2
+def test_the_operators_upsert_creates_and_replaces(store):
+    assert store.upsert_tenant(TenantRecord(name="synced", requests_per_minute=1)) is True
+    assert store.upsert_tenant(TenantRecord(name="synced", requests_per_minute=2)) is False
+    assert store.get_tenant("synced").requests_per_minute == 2
     with pytest.raises(ValueError, match="invalid tenant name"):
-        reg.upsert_tenant(TenantRecord(name="org/synced"))
-    assert reg.delete_tenant("synced")
+        store.upsert_tenant(TenantRecord(name="org/synced"))
+    assert store.delete_tenant("synced")
 
 
-def test_a_tenant_stored_under_an_older_name_can_still_be_managed(gw, reg):
+def test_a_tenant_stored_under_an_older_name_can_still_be_managed(gw, store):
     # written before names were checked (the record itself accepts it): the admin API used to answer 404
     # for every route of it, since "/" ended the path parameter
     legacy = TenantRecord(name="org/team", max_concurrent=2)
-    reg.client.set(redis_keys.tenant(legacy.name), encode_json(legacy))
-    reg.client.sadd(redis_keys.tenants(), legacy.name)
+    store.client.set(redis_keys.tenant(legacy.name), encode_json(legacy))
+    store.client.sadd(redis_keys.tenants(), legacy.name)
     first = gw.admin("POST", "/admin/tenants/org/team/keys")
     assert first.status_code == 201, first.text
     assert authenticates(gw, first.json()["api_key"])
@@ -129,5 +129,5 @@ def test_a_tenant_stored_under_an_older_name_can_still_be_managed(gw, reg):
     assert revoked.status_code == 200 and not authenticates(gw, first.json()["api_key"])
     assert gw.admin("DELETE", "/admin/tenants/org/team").status_code == 200
     assert gw.admin("GET", "/admin/tenants/org/team").status_code == 404
-    assert reg.client.keys("kvf:tenant:org/team*") == []
-    assert "org/team" not in [t.name for t in reg.list_tenants()]
+    assert store.client.keys("kvf:tenant:org/team*") == []
+    assert "org/team" not in [t.name for t in store.list_tenants()]

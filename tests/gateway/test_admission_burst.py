@@ -16,11 +16,11 @@ import time
 import httpx
 import msgspec
 import pytest
-from gateway_harness import MODEL, Fleet, wait_until
-from server_harness import free_port
 
 from kvfleet_common import redis_keys
-from kvfleet_common.schemas import ModelConfig
+from kvfleet_common.schemas import ModelPolicy
+from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.server.server_harness import free_port
 
 SIM = ("--simulate", "--sim-prefill-ms-per-1k-tokens", "0", "--sim-decode-ms-per-step", "50",
        "--sim-decode-ms-per-seq", "0", "--sim-step-overhead-ms", "0")  # fmt: skip
@@ -85,12 +85,12 @@ class Burst:
 
 
 def leases(fleet, tenant: str) -> int:
-    return fleet.registry().client.zcard(redis_keys.inflight(tenant))
+    return fleet.store().client.zcard(redis_keys.inflight(tenant))
 
 
 def window_tokens(fleet, tenant: str) -> int:
     """Tokens charged in all of the tenant's rate-limit windows (a test may straddle a minute)."""
-    client = fleet.registry().client
+    client = fleet.store().client
     return sum(int(client.hget(k, "tokens") or 0) for k in client.keys(f"kvf:ratelimit:{tenant}:*"))
 
 
@@ -135,7 +135,7 @@ def test_a_parallel_burst_admits_exactly_max_concurrent_and_frees_the_slots_afte
 
 
 def test_slots_are_released_exactly_once_on_finish_error_disconnect_and_retry(sim):
-    g, reg = sim.gateway, sim.registry()
+    g, store = sim.gateway, sim.store()
     key = g.create_tenant("once", max_concurrent=2)
     # finished: one after the other, each finds its predecessor's slot free at once (no 429, no waiting)
     for _ in range(4):
@@ -156,11 +156,11 @@ def test_slots_are_released_exactly_once_on_finish_error_disconnect_and_retry(si
             next(r.iter_bytes())
         wait_until(lambda: settled(sim, "once"), 20, 0.05, "the disconnect to release the slot")
     # retried on another replica: a ghost that refuses connections ranks first every other request
-    [live] = reg.live_replicas(MODEL)
+    [live] = store.live_replicas(MODEL)
     nobody = f"http://127.0.0.1:{free_port()}"
     ghost = msgspec.structs.replace(live, replica_id="ghost#1", name="ghost", base_url=nobody)
-    reg.put_model_config(ModelConfig(model=MODEL, routing_policy="round-robin"))
-    reg.publish_heartbeat(ghost, ttl=120)
+    store.put_model_policy(ModelPolicy(model=MODEL, routing_policy="round-robin"))
+    store.publish_heartbeat(ghost, ttl=120)
     try:
         wait_until(lambda: g.metric("kvfleet_gateway_replicas", model=MODEL, state="awake") == 2, 10, 0.05,
                    "the gateway to see the ghost")  # fmt: skip
@@ -170,13 +170,13 @@ def test_slots_are_released_exactly_once_on_finish_error_disconnect_and_retry(si
             assert complete(g, key).status_code == 200
         assert g.metric(fallbacks, model=MODEL, reason="retry_connect") >= before + 1
     finally:
-        reg.deregister_replica("ghost#1")
-        reg.delete_model_config(MODEL)
+        store.deregister_replica("ghost#1")
+        store.delete_model_policy(MODEL)
     # every path gave its slot back once: none leaked (the limit is still 2, not less) and none was freed
     # twice (not more)
     wait_until(lambda: settled(sim, "once"), 20, 0.05, "the slots to be released")
     load = redis_keys.gateway_load(gateway_id(g))  # the local count is back to 0, not below
-    wait_until(lambda: reg.client.hget(load, "t:once") is None, 10, 0.05, "the report of no request")
+    wait_until(lambda: store.client.hget(load, "t:once") is None, 10, 0.05, "the report of no request")
     burst = Burst(g, key, 10, **LONG)
     try:
         assert burst.statuses() == [200] * 2 + [429] * 8

@@ -8,10 +8,10 @@ import time
 
 import httpx
 import pytest
-from gateway_harness import MODEL, Fleet, wait_until
-from slow_requests import SLOW_DECODE, LeavingClient, running
 
 from kvfleet_common import redis_keys
+from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.server.slow_requests import SLOW_DECODE, LeavingClient, running
 
 BODY = {"model": MODEL, "prompt": [100, 101, 102], "ignore_eos": True}
 
@@ -41,7 +41,7 @@ def test_leaving_a_non_streaming_request_frees_the_slot_and_the_engine_within_2_
     g = gateway(slow_fleet, fast_path)
     tenant = f"one-slot-{'fast' if fast_path else 'fastapi'}"
     key = g.create_tenant(tenant, max_concurrent=1)
-    redis = slow_fleet.registry().client
+    redis = slow_fleet.store().client
     assert complete(g, key, 1).status_code == 200  # warm: the tokenizer is loaded, the slot comes back
     wait_until(lambda: redis.zcard(redis_keys.inflight(tenant)) == 0, 10, 0.05, "the warm-up's slot")
     finished_499 = g.metric("kvfleet_gateway_requests_total", status="499")

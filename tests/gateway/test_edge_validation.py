@@ -10,13 +10,13 @@ import time
 
 import httpx
 import pytest
-from gateway_harness import MODEL, run_gateway
-from test_server_edge_validation import (
+
+from kvfleet_common.server_kit.request_limits import LARGE_TEXT_CHARS, TextBound, encode, encode_off_loop
+from tests.gateway.gateway_harness import MODEL, run_gateway
+from tests.server.test_server_edge_validation import (
     CASES,
     assert_openai_400,
-)  # tests/server: the same cases, via the gateway
-
-from kvfleet_common.request_limits import LARGE_TEXT_CHARS, TextBound, encode, encode_off_loop
+)  # the engine server's cases, via the gateway
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -10,11 +10,11 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL, run_gateway, wait_until
 
 from kvfleet_common.hashing import hash_blocks
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet_gateway.tokenization import load_tokenizer_files, prompt_token_ids
+from tests.gateway.gateway_harness import MODEL, run_gateway, wait_until
 
 SYSTEM = ("You are kvfleet's test assistant. Answer briefly, precisely and politely; never invent facts; "
           "prefer short sentences; cite nothing. ") * 3  # fmt: skip
@@ -149,9 +149,9 @@ def test_shared_prefix_sticks_to_one_replica_and_the_prediction_is_exact(fleet, 
 
 
 def test_gateway_token_ids_and_block_hashes_equal_the_engines(fleet, key):
-    reg = fleet.registry()
-    [hb, *_] = reg.live_replicas(MODEL)
-    tok = load_tokenizer_files(reg.fetch_tokenizer(MODEL, hb.tokenizer_revision))
+    store = fleet.store()
+    [hb, *_] = store.live_replicas(MODEL)
+    tok = load_tokenizer_files(store.fetch_tokenizer(MODEL, hb.tokenizer_revision))
     engine = fleet.engines[0]
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -167,16 +167,16 @@ def test_gateway_token_ids_and_block_hashes_equal_the_engines(fleet, key):
         == httpx.post(f"{engine.url}/tokenize", json={"prompt": text}).json()["tokens"]
     )
     # the hashes the gateway computes (with the tenant's salt) are exactly the blocks the engine stored
-    salt = reg.tenant_for_key_hash(__import__("hashlib").sha256(key.encode()).hexdigest()).cache_salt
+    salt = store.tenant_for_key_hash(__import__("hashlib").sha256(key.encode()).hexdigest()).cache_salt
     assert salt  # tenants get their own cache by default
     r = chat_raw(fleet, key, messages, max_tokens=1)
     replica = r.headers["x-kvfleet-replica"]
     hashes = hash_blocks(engine_ids, hb.block_size, salt)
     assert len(hashes) >= 4
-    wait_until(lambda: reg.prefix_match(MODEL, hashes, [replica])[replica] == len(hashes), 10, 0.1,
+    wait_until(lambda: store.prefix_match(MODEL, hashes, [replica])[replica] == len(hashes), 10, 0.1,
                "the replica's KV events")  # fmt: skip
     unsalted = hash_blocks(engine_ids, hb.block_size, "")
-    assert reg.prefix_match(MODEL, unsalted, [replica])[replica] == 0  # another tenant could not match it
+    assert store.prefix_match(MODEL, unsalted, [replica])[replica] == 0  # another tenant could not match it
 
 
 # ---- quotas ----------------------------------------------------------------------------------------
@@ -315,8 +315,8 @@ def test_sleep_through_the_admin_api_and_wake_on_request(fleet, key):
     g = fleet.gateway
     r = g.admin("POST", f"/admin/models/{MODEL}/sleep", params={"level": 1})
     assert r.status_code == 200 and len(r.json()["replicas"]) == 2, r.text
-    reg = fleet.registry()
-    wait_until(lambda: all(hb.state == "sleeping" for hb in reg.live_replicas(MODEL)), 20, 0.1, "sleep")
+    store = fleet.store()
+    wait_until(lambda: all(hb.state == "sleeping" for hb in store.live_replicas(MODEL)), 20, 0.1, "sleep")
     wait_until(lambda: g.metric("kvfleet_gateway_replicas", model=MODEL, state="sleeping") == 2, 10, 0.1,
                "the gateway to see it")  # fmt: skip
     results: list = []
@@ -333,15 +333,15 @@ def test_sleep_through_the_admin_api_and_wake_on_request(fleet, key):
     assert len(results) == 3 and all(r.usage.completion_tokens == 3 for r in results)
     assert g.metric("kvfleet_gateway_wakes_total", model=MODEL, outcome="woke") >= 1
     assert "waking it" in g.log()
-    wait_until(lambda: all(hb.state == "awake" for hb in reg.live_replicas(MODEL)), 20, 0.1, "awake")
+    wait_until(lambda: all(hb.state == "awake" for hb in store.live_replicas(MODEL)), 20, 0.1, "awake")
     # per replica too
-    replica = reg.live_replicas(MODEL)[0]
+    replica = store.live_replicas(MODEL)[0]
     r = g.admin("POST", f"/admin/models/{MODEL}/replicas/{replica.name}/sleep")
     assert r.status_code == 200 and list(r.json()["replicas"]) == [replica.replica_id]
     assert g.admin("POST", f"/admin/models/{MODEL}/replicas/{replica.name}/wake").status_code == 200
     assert g.admin("POST", f"/admin/models/{MODEL}/replicas/nope/wake").status_code == 404
     assert g.admin("POST", f"/admin/models/{MODEL}/sleep", params={"level": 3}).status_code == 400
-    assert reg.last_activity(MODEL) is not None and time.time() - reg.last_activity(MODEL) < 60
+    assert store.last_activity(MODEL) is not None and time.time() - store.last_activity(MODEL) < 60
 
 
 def test_replicas_put_to_sleep_behind_the_gateways_back_are_woken_not_failed(fleet, key):
@@ -391,7 +391,8 @@ def test_schemathesis_finds_no_server_errors(fleet, key):
 
 def _fuzz(op, base_url: str, token: str, failures: list) -> None:
     from hypothesis import HealthCheck, given, settings
-    from test_bad_input import _keep_generation_short  # tests/server
+
+    from tests.server.test_bad_input import _keep_generation_short
 
     @settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy())

@@ -9,9 +9,9 @@ import json
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL, kill_tree, wait_until
 
 from kvfleet_common import redis_keys
+from tests.gateway.gateway_harness import MODEL, kill_tree, wait_until
 
 LONG = "Tell me everything about the history of computing, from the abacus to the present day. " * 3
 
@@ -45,12 +45,12 @@ def test_two_gateways_share_tenants_limits_and_load(fleet, second):
     assert ask(b, k2).status_code == 200  # warm (tokenizer loaded): the check below must be quick
     # That request still counts on b until b's next load report (up to one 50 ms interval): wait for it,
     # or a would rightly refuse the stream below.
-    reg = fleet.registry()
+    store = fleet.store()
 
     def tenant_in_flight() -> int:
         """What admission counts: the tenant's concurrency leases in Redis (b's is removed by its next
         report; the load hash's per-tenant count may reach 0 a report earlier, so it is not the signal)."""
-        return reg.client.zcard(redis_keys.inflight("single"))
+        return store.client.zcard(redis_keys.inflight("single"))
 
     wait_until(lambda: tenant_in_flight() == 0, 5, 0.01, "b to release the finished request's lease")
     with httpx.stream("POST", f"{a.url}/v1/completions", headers={"Authorization": f"Bearer {k2}"}, timeout=60,
@@ -60,15 +60,15 @@ def test_two_gateways_share_tenants_limits_and_load(fleet, second):
         r = wait_until(lambda: (r := ask(b, k2)).status_code == 429 and r, 10, 0.05, "b to see a's request")
         assert "concurrent" in r.json()["error"]["message"]
     wait_until(lambda: ask(b, k2).status_code == 200, 10, 0.1, "the slot to free on b")
-    assert len(reg.client.zrange(redis_keys.gateways(), 0, -1)) == 2
+    assert len(store.client.zrange(redis_keys.gateways(), 0, -1)) == 2
 
 
 def test_redis_restart(fleet, second):
     g = fleet.gateway
     key = g.create_tenant("survivor")
     key_hash = hashlib.sha256(key.encode()).hexdigest()
-    reg = fleet.registry()
-    record = reg.tenant_for_key_hash(key_hash)
+    store = fleet.store()
+    record = store.tenant_for_key_hash(key_hash)
     assert ask(g, key, LONG).status_code == 200
     fallbacks = g.metric("kvfleet_gateway_routing_fallbacks_total", reason="redis_unavailable")
 
@@ -82,10 +82,10 @@ def test_redis_restart(fleet, second):
     assert httpx.get(f"{g.url}/health").json()["registry"] == "ok"  # within the staleness bound
 
     fleet.redis.start()  # empty: no persistence; engines re-register, the operator would re-assert tenants
-    reg = fleet.registry()
-    reg.put_tenant(record)
-    reg.add_api_key(record.name, key_hash)
-    wait_until(lambda: len(reg.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
+    store = fleet.store()
+    store.put_tenant(record)
+    store.add_api_key(record.name, key_hash)
+    wait_until(lambda: len(store.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
 
     def routed_with_redis():
         r = ask(g, key, LONG)
@@ -109,7 +109,7 @@ def test_redis_restart(fleet, second):
     )
 
 
-def test_a_stale_registry_is_not_used_forever(fleet):
+def test_a_stale_fleet_snapshot_is_not_used_forever(fleet):
     g = fleet.start_gateway("--registry-max-staleness", "2")
     key = g.create_tenant("brief")
     assert ask(g, key).status_code == 200
@@ -122,8 +122,8 @@ def test_a_stale_registry_is_not_used_forever(fleet):
         assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
     finally:
         fleet.redis.start()
-        reg = fleet.registry()  # the next test needs the replicas registered again
-        wait_until(lambda: len(reg.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
+        store = fleet.store()  # the next test needs the replicas registered again
+        wait_until(lambda: len(store.live_replicas(MODEL)) == 2, 30, 0.2, "the replicas to re-register")
         for other in fleet.gateways:
             wait_until(lambda o=other: o.metric("kvfleet_gateway_replicas", model=MODEL, state="awake") == 2, 10,
                        0.1, "the gateways to see them")  # fmt: skip
@@ -153,8 +153,8 @@ def test_a_replica_dying_mid_stream_and_between_requests(fleet):
         assert r.headers["x-kvfleet-replica"].split("#")[0] != victim.url  # served by the survivor
     survivor = {e.url for e in fleet.engines} - {victim.url}
     assert len(survivor) == 1
-    reg = fleet.registry()
-    wait_until(lambda: len(reg.live_replicas(MODEL)) == 1, 30, 0.2, "the dead replica to leave the registry")
+    store = fleet.store()
+    wait_until(lambda: len(store.live_replicas(MODEL)) == 1, 30, 0.2, "the dead replica to leave Redis")
     assert g.metric("kvfleet_gateway_upstream_errors_total", kind="midstream") >= 1
     # a second gateway that never saw the failure retries on the survivor before the first byte
     other = fleet.gateways[1]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
-from gateway_harness import MODEL, Fleet, wait_until
-from test_tracing import OTLPReceiver  # tests/server
+
+from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.server.test_tracing import OTLPReceiver
 
 
 def test_client_trace_continues_through_gateway_and_engine(demo_model, tmp_path):

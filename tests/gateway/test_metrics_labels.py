@@ -12,9 +12,9 @@ import json
 import re
 
 import httpx
-from gateway_harness import MODEL
 
 from kvfleet_gateway.metrics import UNKNOWN_MODEL
+from tests.gateway.gateway_harness import MODEL
 
 JUNK = 10_000
 HUGE = 20  # of them 1 MiB long

@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
-from gateway_harness import MODEL, Fleet, wait_until
-from slow_requests import SLOW_DECODE, running
 
 from kvfleet_gateway.upstream import Upstream
+from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.server.slow_requests import SLOW_DECODE, running
 
 READ_TIMEOUT_S = 2.0
 

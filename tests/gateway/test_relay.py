@@ -7,10 +7,10 @@ import asyncio
 import json
 
 import pytest
-from sse_server import SseServer
 
 from kvfleet_gateway.relay import SseRelay
 from kvfleet_gateway.upstream import Upstream, UpstreamTimeout
+from tests.sse_server import SseServer
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
 EVENTS = [

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_bad_input import _keep_generation_short  # tests/server
+
+from tests.server.test_bad_input import _keep_generation_short
 
 schemathesis = pytest.importorskip("schemathesis")
 

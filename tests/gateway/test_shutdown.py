@@ -4,10 +4,10 @@ replicas decoding a token every 100 ms (``engine serve --simulate``), the gatewa
 from __future__ import annotations
 
 import pytest
-from gateway_harness import MODEL, Fleet, wait_until
-from slow_requests import SLOW_DECODE, SseStream, running, sigterm_exits_within
 
 from kvfleet_common import redis_keys
+from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.server.slow_requests import SLOW_DECODE, SseStream, running, sigterm_exits_within
 
 GRACE_S = 2.0
 GATEWAY_ID = "gw-under-sigterm"
@@ -29,7 +29,7 @@ def stream(gateway, key: str, max_tokens: int) -> SseStream:
 def test_sigterm_ends_the_streams_left_after_the_grace_and_leaves_nothing_in_redis(slow_fleet):
     g = slow_fleet.start_gateway("--shutdown-grace", str(GRACE_S), "--gateway-id", GATEWAY_ID)
     key = g.create_tenant("drained", max_concurrent=100)  # its requests hold concurrency leases in Redis
-    redis = slow_fleet.registry().client
+    redis = slow_fleet.store().client
     long = [stream(g, key, 400) for _ in range(20)]
     for s in long:
         s.wait_started()

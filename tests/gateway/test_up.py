@@ -7,33 +7,18 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from server_harness import free_port
+
+from kvfleet_devkit.processes import free_port, group_members
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            state, _ppid, pgrp = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == pgid and state != "Z":
-            out.append(int(d.name))
-    return out
 
 
 def kvfleet_up(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
     """Run ``kvfleet up``; its result and the children it reported starting (name -> pid = process group)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvfleet_common.cli", "up", *args],
+        [sys.executable, "-m", "kvfleet_cli.main", "up", *args],
         capture_output=True, text=True, timeout=timeout, start_new_session=True, check=False,
     )  # fmt: skip
     children = {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+),", proc.stdout)}

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfleet_common.http import ApiError
+from kvfleet_common.server_kit.http import ApiError
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.wake import Waker
 
@@ -36,7 +36,7 @@ async def _lock_held_elsewhere(op: str, kind: str, call) -> bool:
 
 def _waker(timeout: float) -> Waker:
     calls = _lock_held_elsewhere
-    calls.registry = None  # type: ignore[attr-defined]
+    calls.store = None  # type: ignore[attr-defined]
     return Waker(_NeverWakes(), calls, None, GatewayMetrics(), "admin", "gw-test", timeout)  # type: ignore[arg-type]
 
 

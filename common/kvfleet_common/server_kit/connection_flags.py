@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-KEEP_ALIVE_S = 75.0  # above the gateway's 60 s upstream pool and the 60 s of most load balancers
-MAX_HEAD_BYTES = 64 * 1024  # a request line and headers; Envoy's default is 60 KiB, nginx's 32 KB
-READ_TIMEOUT_S = 30.0  # for a head to arrive, and the longest pause in a body (nginx: 60 s each)
+from kvfleet_common.server_kit.connection_limits import KEEP_ALIVE_S, MAX_HEAD_BYTES, READ_TIMEOUT_S
 
 
 def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> None:
@@ -38,7 +36,7 @@ def add_connection_args(parser: argparse.ArgumentParser, closes_first: str) -> N
 
 
 def uvicorn_connection_options(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet_common.http_protocol import bounded_read_protocol  # imports uvicorn: servers only
+    from kvfleet_common.server_kit.http_protocol import bounded_read_protocol  # imports uvicorn: servers only
 
     if args.max_request_head_bytes < 1024:
         raise SystemExit("--max-request-head-bytes must be at least 1024")

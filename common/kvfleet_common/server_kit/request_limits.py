@@ -27,7 +27,7 @@ import numpy as np
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from kvfleet_common.http import ApiError
+from kvfleet_common.server_kit.http import ApiError
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests 5 levels (messages -> content parts)
 SAFETY_FACTOR = 4  # room for normalizers that shrink text before tokenizing (NFC composes up to 3 -> 1)

@@ -37,7 +37,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvfleet_common.openai_protocol import error_body
-from kvfleet_common.server_flags import MAX_HEAD_BYTES, READ_TIMEOUT_S
+from kvfleet_common.server_kit.connection_limits import MAX_HEAD_BYTES, READ_TIMEOUT_S
 
 
 class _HeadRefused(Exception):
