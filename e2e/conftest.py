@@ -1,21 +1,9 @@
-"""Fixtures and import paths of the whole-platform tests.
-
-The Kubernetes emulator (``tests/operator/kube_emulator.py``) and the Redis helper (``tests/redis_server.py``)
-are shared with the operator tests, as ``bench/operator.py`` shares them, and the OTLP receiver with the
-engine's tracing test (``tests/server/test_tracing.py``): their directories go on ``sys.path`` here (and in
-``local_platform.py`` when it runs as a script).
-"""
+"""Settings of the whole-platform tests. Their harnesses live in ``kvfleet_devkit`` (the local platform, the pod
+runner, the Kubernetes emulator, the Redis server), shared with the operator tests and the benchmarks."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT / "tests", ROOT / "tests" / "operator", ROOT / "tests" / "server", ROOT / "e2e"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 # The platform never reaches the Hugging Face Hub: its model is a demo model on local disk.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

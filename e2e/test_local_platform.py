@@ -28,15 +28,15 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from kube_emulator import eventually
-from local_platform import EXAMPLES, TENANT_KEY, LocalPlatform
-from podrunner import group_members
-from test_tracing import OTLPReceiver  # tests/server/test_tracing.py
 
 from kvfleet_common import redis_keys
+from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import Registry
 from kvfleet_common.schemas import Heartbeat
+from kvfleet_devkit.kube_emulator import eventually
+from kvfleet_devkit.local_platform import EXAMPLES, TENANT_KEY, LocalPlatform
+from kvfleet_devkit.processes import group_members
+from tests.server.test_tracing import OTLPReceiver
 
 openai = pytest.importorskip("openai")
 
@@ -79,12 +79,12 @@ def platform(tmp_path_factory, receiver) -> Iterator[LocalPlatform]:
 
 
 @pytest.fixture(scope="module")
-def registry(platform: LocalPlatform) -> Iterator[Registry]:
-    reg = Registry(redis.Redis.from_url(platform.redis_url))
+def store(platform: LocalPlatform) -> Iterator[FleetStore]:
+    store = FleetStore(redis.Redis.from_url(platform.redis_url))
     try:
-        yield reg
+        yield store
     finally:
-        reg.close()
+        store.close()
 
 
 def condition(status: dict, type_: str) -> dict:
@@ -96,8 +96,8 @@ def engine_pods(platform: LocalPlatform) -> list[dict]:
     return [p for p in platform.kube.list(PODS) if p["metadata"]["labels"].get("kvfleet.io/model") == MODEL]
 
 
-def awake(registry: Registry) -> list[Heartbeat]:
-    return [hb for hb in registry.live_replicas(MODEL) if hb.state == "awake"]
+def awake(store: FleetStore) -> list[Heartbeat]:
+    return [hb for hb in store.live_replicas(MODEL) if hb.state == "awake"]
 
 
 def pid_of(pod: dict) -> int:
@@ -184,15 +184,15 @@ def route(headers) -> dict:
     return json.loads(headers["x-kvfleet-route"])
 
 
-def cached_blocks_in_redis(registry: Registry, hb: Heartbeat, messages: list[dict]) -> bool:
+def cached_blocks_in_redis(store: FleetStore, hb: Heartbeat, messages: list[dict]) -> bool:
     """Whether ``hb``'s KV blocks of this chat prompt (tenant-salted, as the gateway hashes them) are in
     Redis: the engine publishes them asynchronously, and the router can only stick once they are."""
     ids = httpx.post(f"{hb.base_url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
-    tenant = registry.tenant_for_key_hash(hashlib.sha256(TENANT_KEY.encode()).hexdigest())
+    tenant = store.tenant_for_key_hash(hashlib.sha256(TENANT_KEY.encode()).hexdigest())
     assert tenant is not None
     hashes = hash_blocks(ids, hb.block_size, tenant.cache_salt)
     assert len(hashes) > 8  # "a long prefix": many blocks
-    return registry.prefix_match(MODEL, hashes, [hb.replica_id])[hb.replica_id] == len(hashes)
+    return store.prefix_match(MODEL, hashes, [hb.replica_id])[hb.replica_id] == len(hashes)
 
 
 def assert_traced_through(receiver: OTLPReceiver, trace_id: str, client_span_id: str) -> None:
@@ -225,9 +225,9 @@ def assert_traced_through(receiver: OTLPReceiver, trace_id: str, client_span_id:
     assert attrs["kvfleet.tenant"] == TENANT and attrs["gen_ai.request.model"] == MODEL
 
 
-def model_keys(registry: Registry, pod_names: set[str]) -> list[str]:
+def model_keys(store: FleetStore, pod_names: set[str]) -> list[str]:
     """Every Redis key that belongs to the model or to one of its replicas."""
-    keys = [k.decode() for k in registry.client.scan_iter("kvf:*")]
+    keys = [k.decode() for k in store.client.scan_iter("kvf:*")]
     return [
         k
         for k in keys
@@ -235,17 +235,17 @@ def model_keys(registry: Registry, pod_names: set[str]) -> list[str]:
     ]
 
 
-def redis_keys_besides_windows(registry: Registry) -> list[str]:
+def redis_keys_besides_windows(store: FleetStore) -> list[str]:
     """Every kvf:* key except the tenant's rate-limit windows, which must expire on their own (TTL <= 120 s:
     a deleted tenant's last minute may still be counted, never forever)."""
-    keys = sorted(k.decode() for k in registry.client.scan_iter("kvf:*"))
+    keys = sorted(k.decode() for k in store.client.scan_iter("kvf:*"))
     windows = [k for k in keys if k.startswith(f"kvf:ratelimit:{TENANT}:")]
     for k in windows:
-        assert 0 < registry.client.ttl(k) <= redis_keys.RATELIMIT_TTL_S, k
+        assert 0 < store.client.ttl(k) <= redis_keys.RATELIMIT_TTL_S, k
     return [k for k in keys if k not in windows]
 
 
-def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry: Registry, receiver):
+def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, store: FleetStore, receiver):
     kube, runner = platform.kube, platform.runner
     assert kube is not None and runner is not None
     gateway = Gateway(platform)
@@ -260,7 +260,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
         str(EXAMPLES / "local-tiny.yaml"),
     )
     key_hash = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
-    tenant = eventually(lambda: registry.tenant_for_key_hash(key_hash), timeout=60)
+    tenant = eventually(lambda: store.tenant_for_key_hash(key_hash), timeout=60)
     assert tenant.name == TENANT
 
     # 2. The operator renders the Deployment, the pod runner starts the engine, the status becomes Ready.
@@ -271,14 +271,14 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     assert pod["status"]["containerStatuses"][0]["ready"] is True
 
     # 3. The replica announced itself in Redis; it answers a chat completion at that URL.
-    (hb,) = eventually(lambda: awake(registry), timeout=60)
+    (hb,) = eventually(lambda: awake(store), timeout=60)
     assert hb.name == pod["metadata"]["name"]  # KVFLEET_REPLICA_NAME from the downward API
     (local,) = runner.pods(deployment=MODEL)
     assert hb.base_url == f"http://127.0.0.1:{local.named_ports['http']}"  # KVFLEET_BASE_URL, rewritten
     assert chat(hb.base_url)
-    assert registry.get_model_config(MODEL) is not None
+    assert store.get_model_policy(MODEL) is not None
 
-    # 3b. The same through the gateway with the tenant's key, once its registry snapshot has the model; the
+    # 3b. The same through the gateway with the tenant's key, once its fleet snapshot has the model; the
     # client's trace continues through the gateway's routing span into the engine.
     eventually(lambda: MODEL in [m.id for m in gateway.client.models.list().data], timeout=60, interval=0.2)
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -292,7 +292,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     # 4. kubectl scale -> two engine processes, two live replicas in Redis.
     assert "scaled" in platform.kubectl("scale", f"im/{MODEL}", "--replicas=2")
     wait_ready(platform, 2)
-    replicas = eventually(lambda: len(r := awake(registry)) == 2 and r, timeout=60)
+    replicas = eventually(lambda: len(r := awake(store)) == 2 and r, timeout=60)
     pods = engine_pods(platform)
     assert {r.name for r in replicas} == {p["metadata"]["name"] for p in pods}
     assert len({r.base_url for r in replicas}) == 2
@@ -312,7 +312,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     _, headers = gateway.chat(first)
     sticky = headers["x-kvfleet-replica"]
     assert sticky in ids
-    eventually(lambda: cached_blocks_in_redis(registry, by_id[sticky], first), timeout=60, interval=0.2)
+    eventually(lambda: cached_blocks_in_redis(store, by_id[sticky], first), timeout=60, interval=0.2)
     for question in ("What is a KV block?", "Why route by prefix?", "Who wins a tie?"):
         resp, headers = gateway.chat(system_prompt(question))
         decision = route(headers)
@@ -334,7 +334,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     assert r.status_code == 200 and set(r.json()["replicas"]) == ids, r.text
     eventually(
         lambda: (
-            {hb.replica_id: hb.state for hb in registry.live_replicas(MODEL)}
+            {hb.replica_id: hb.state for hb in store.live_replicas(MODEL)}
             == dict.fromkeys(ids, "sleeping")
         ),
         timeout=60,
@@ -349,7 +349,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     _, headers = gateway.chat([{"role": "user", "content": "Wake up, please"}])
     assert headers["x-kvfleet-replica"] in ids
     assert gateway.metric("kvfleet_gateway_wakes_total", model=MODEL, outcome="woke") == woke_before + 1
-    eventually(lambda: {hb.replica_id for hb in awake(registry)} == ids, timeout=60, interval=0.2)
+    eventually(lambda: {hb.replica_id for hb in awake(store)} == ids, timeout=60, interval=0.2)
 
     # 5. SIGKILL one engine: the pod restarts it, the model is Degraded meanwhile, then Ready again.
     victim = pods[0]
@@ -373,7 +373,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     assert cs["restartCount"] == 1 and cs["ready"] is True
     assert cs["lastState"]["terminated"]["exitCode"] == 137
     assert pid_of(again) != victim_pid and group_members(victim_pid) == []
-    replicas = eventually(lambda: len(r := awake(registry)) == 2 and r, timeout=60)
+    replicas = eventually(lambda: len(r := awake(store)) == 2 and r, timeout=60)
     restarted = next(r for r in replicas if r.name == victim["metadata"]["name"])
     assert chat(restarted.base_url)
     # The gateway serves again (a stale entry of the killed replica is retried on the other one).
@@ -388,12 +388,12 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     platform.kubectl("delete", "--timeout=180s", "-f", str(EXAMPLES / "local-tiny.yaml"))
     assert kube.get(DEPLOYMENT) is None and engine_pods(platform) == []
     assert runner.pods(deployment=MODEL) == []
-    assert model_keys(registry, pod_names) == []
-    assert registry.live_replicas(MODEL) == [] and MODEL not in registry.list_models()
-    assert registry.get_model_config(MODEL) is None
+    assert model_keys(store, pod_names) == []
+    assert store.live_replicas(MODEL) == [] and MODEL not in store.list_models()
+    assert store.get_model_policy(MODEL) is None
     eventually(lambda: all(group_members(g) == [] for g in groups), timeout=60)
 
-    # The gateway forgets the model at its next registry refresh (~0.5 s): 404, OpenAI-shaped.
+    # The gateway forgets the model at its next fleet snapshot refresh (~0.5 s): 404, OpenAI-shaped.
     def not_found():
         try:
             gateway.chat([{"role": "user", "content": "anyone?"}])
@@ -407,7 +407,7 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
     assert "demo-tiny" not in [m.id for m in gateway.client.models.list().data]
     # What the gateway metered for the tenant: one usage record per request it served.
     usage = eventually(
-        lambda: (u := registry.tenant_usage([TENANT])[TENANT])["total"]["requests"] == gateway.served and u,
+        lambda: (u := store.tenant_usage([TENANT])[TENANT])["total"]["requests"] == gateway.served and u,
         timeout=30,
     )
     assert usage["models"][MODEL]["requests"] == gateway.served and usage["total"]["cached_tokens"] > 0
@@ -419,16 +419,16 @@ def test_model_lifecycle_on_the_local_platform(platform: LocalPlatform, registry
         f"kvf:usage:{TENANT}",
     ]
     # kvf:gateway:<id>:load is absent: nothing is in flight (the gateway deletes it rather than write zeros).
-    assert redis_keys_besides_windows(registry) == sorted([*tenant_keys, "kvf:gateways"])
+    assert redis_keys_besides_windows(store) == sorted([*tenant_keys, "kvf:gateways"])
 
     # The tenant goes too (its usage with it); a running gateway still announces itself in kvf:gateways.
     platform.kubectl("delete", "--timeout=60s", "-f", str(EXAMPLES / "tenant.yaml"))
-    assert registry.tenant_for_key_hash(key_hash) is None
-    assert redis_keys_besides_windows(registry) == ["kvf:gateways"]
-    assert registry.client.zrange("kvf:gateways", 0, -1) == [gateway_id.encode()]
+    assert store.tenant_for_key_hash(key_hash) is None
+    assert redis_keys_besides_windows(store) == ["kvf:gateways"]
+    assert store.client.zrange("kvf:gateways", 0, -1) == [gateway_id.encode()]
     # A stopped gateway removes itself: nothing of the scenario is left but expiring rate-limit windows.
     platform.stop_gateway()
-    assert redis_keys_besides_windows(registry) == []
+    assert redis_keys_besides_windows(store) == []
 
 
 def test_stopping_the_platform_leaves_no_process(tmp_path: Path):

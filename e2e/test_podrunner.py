@@ -15,16 +15,17 @@ from typing import Any
 
 import httpx
 import pytest
-from kube_emulator import KubeEmulator, eventually
-from podrunner import (
-    PodRunner,
+
+from kvfleet_devkit.kube_emulator import KubeEmulator, eventually
+from kvfleet_devkit.pod_translation import (
     expand_vars,
-    group_members,
     rewrite_args,
     rewrite_env_value,
     rollout_budget,
     template_hash,
 )
+from kvfleet_devkit.podrunner import PodRunner
+from kvfleet_devkit.processes import group_members
 
 NS = "default"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"

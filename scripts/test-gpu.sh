@@ -17,7 +17,7 @@
 #
 #   KVFLEET_GPU_PYTHON=python3 scripts/test-gpu.sh [pytest args]
 #       system mode: that interpreter as it is (e.g. a machine image with CUDA torch preinstalled and the
-#       other wheels carried in), with the sources on PYTHONPATH=common:engine:gateway instead of an
+#       other wheels carried in), with the sources on PYTHONPATH=common:engine:gateway:cli:devkit instead of an
 #       editable install. It needs torch (CUDA), transformers, tokenizers, safetensors, numpy, msgspec,
 #       xxhash, pydantic and pytest; triton for the kernel tests (skipped without it).
 #
@@ -29,7 +29,7 @@ if [ -n "${KVFLEET_GPU_PYTHON:-}" ]; then
   py="$KVFLEET_GPU_PYTHON"
   command -v "$py" >/dev/null || { echo "[test-gpu] KVFLEET_GPU_PYTHON=$py: no such interpreter" >&2; exit 2; }
   # Absolute: tests start Python subprocesses in other directories.
-  export PYTHONPATH="$PWD/common:$PWD/engine:$PWD/gateway${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD/common:$PWD/engine:$PWD/gateway:$PWD/cli:$PWD/devkit${PYTHONPATH:+:$PYTHONPATH}"
   echo "[test-gpu] system mode: $py with PYTHONPATH=$PYTHONPATH"
 else
   venv="${KVFLEET_GPU_VENV:-.venv}"

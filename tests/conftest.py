@@ -73,7 +73,7 @@ def demo_model(tmp_path_factory) -> Callable[..., Path]:
 @pytest.fixture
 def redis_server():
     """A fresh real redis-server on a free port (no persistence): ``.url``, ``.restart()``, ``.stop()``, ``.start()``."""
-    from redis_server import RedisServer  # tests/redis_server.py
+    from kvfleet_devkit.redis_server import RedisServer
 
     server = RedisServer()
     server.start()

@@ -1,5 +1,6 @@
 import pytest
-from server_harness import run_server
+
+from tests.server.server_harness import run_server
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ def run_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny", 
     port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [
-        sys.executable, "-m", "kvfleet_common.cli", "engine", "serve", "--model", str(model_dir),
+        sys.executable, "-m", "kvfleet_cli.main", "engine", "serve", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
         "--admin-token", ADMIN_TOKEN, *extra,
     ]  # fmt: skip

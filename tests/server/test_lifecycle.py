@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import alive, cmdline, descendants_of, run_server
-from slow_requests import SLOW_DECODE, LeavingClient, SseStream, running, sigterm_exits_within
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
+from tests.server.server_harness import alive, cmdline, descendants_of, run_server
+from tests.server.slow_requests import SLOW_DECODE, LeavingClient, SseStream, running, sigterm_exits_within
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story about bread."}]}
 
@@ -228,11 +228,11 @@ def test_tensor_parallel_server_matches_and_a_dead_worker_fails_the_replica(demo
 def test_sigterm_past_the_shutdown_timeout_ends_every_request_readably(demo_model, tmp_path, redis_server):
     """A simulated replica decoding a token every 100 ms: 400-token requests outlive a 2 s timeout."""
     timeout_s = 2.0
-    reg = Registry.from_url(redis_server.url)
+    store = FleetStore.from_url(redis_server.url)
     args = (*SLOW_DECODE, "--max-model-len", "512", "--shutdown-timeout", str(timeout_s),
             "--redis-url", redis_server.url, "--replica-name", "drained")  # fmt: skip
     with run_server(demo_model("llama", "tiny"), tmp_path, *args, name="sim") as server:
-        assert wait_until(lambda: reg.live_replicas("sim"), 30)
+        assert wait_until(lambda: store.live_replicas("sim"), 30)
         url = f"{server.url}/v1/completions"
         body = {"model": "sim", "prompt": [100, 101, 102], "max_tokens": 400, "ignore_eos": True}
         streams = [SseStream(url, body) for _ in range(8)]
@@ -253,10 +253,10 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_request_readably(demo_mode
         whole.join(10)
         assert answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "replica_shutting_down"
         assert answer[0].headers["retry-after"] == "1"
-        assert reg.live_replicas("sim") == []  # deregistered
+        assert store.live_replicas("sim") == []  # deregistered
         for pid in server.descendants:
             assert wait_until(lambda pid=pid: not alive(pid), timeout=10), f"{pid} outlived the server"
-    reg.close()
+    store.close()
 
 
 def test_a_client_leaving_a_non_streaming_request_has_it_aborted_within_2_s(demo_model, tmp_path):

@@ -287,6 +287,6 @@ def test_health_version_metrics(server, client):
     assert m["process_resident_memory_bytes"] > 0
     assert any(k.startswith("python_gc_collections_total") for k in m)
     assert m["kvfleet_engine_event_loop_lag_seconds_count"] >= 1
-    # the API server and the core process froze their start-up heaps (kvfleet_common.gc_heap)
+    # the API server and the core process froze their start-up heaps (kvfleet_common.server_kit.gc_heap)
     log = server.log()
     assert "out of garbage collection (engine server started" in log and "(engine core ready" in log

@@ -6,11 +6,11 @@ import signal
 import time
 
 import httpx
-from server_harness import run_server
 
+from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import Registry
 from kvfleet_engine.tokenizer import load_tokenizer
+from tests.server.server_harness import run_server
 
 
 def wait_until(predicate, timeout: float = 20.0):
@@ -25,16 +25,16 @@ def wait_until(predicate, timeout: float = 20.0):
 
 def test_replica_lifecycle_in_redis(demo_model, tmp_path, redis_server):
     model_dir = demo_model("llama", "tiny")
-    reg = Registry.from_url(redis_server.url)
+    store = FleetStore.from_url(redis_server.url)
     args = ("--max-model-len", "512", "--redis-url", redis_server.url, "--replica-name", "pod-a")
     with run_server(model_dir, tmp_path, *args) as server:
-        [hb] = wait_until(lambda: [h for h in reg.live_replicas("tiny") if h.state == "awake"])
+        [hb] = wait_until(lambda: [h for h in store.live_replicas("tiny") if h.state == "awake"])
         assert hb.name == "pod-a" and hb.replica_id.startswith("pod-a#")
         assert hb.base_url == server.url
         assert hb.block_size == 16 and hb.max_model_len == 512 and hb.num_kv_blocks > 0
 
         # the gateway can tokenize exactly like the engine from what the replica published
-        files = reg.fetch_tokenizer("tiny", hb.tokenizer_revision)
+        files = store.fetch_tokenizer("tiny", hb.tokenizer_revision)
         assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
 
         # after a request, the replica's cached blocks are in the index under the contract's hashes
@@ -46,7 +46,7 @@ def test_replica_lifecycle_in_redis(demo_model, tmp_path, redis_server):
         ids = load_tokenizer(model_dir).encode(prompt)
         hashes = hash_blocks(ids, 16)
         assert len(hashes) >= 3
-        match = wait_until(lambda: reg.prefix_match("tiny", hashes).get(hb.replica_id) == len(hashes))
+        match = wait_until(lambda: store.prefix_match("tiny", hashes).get(hb.replica_id) == len(hashes))
         assert match
         # a salted request (another tenant) is cached under other hashes: no cross-tenant match
         r = httpx.post(
@@ -55,17 +55,17 @@ def test_replica_lifecycle_in_redis(demo_model, tmp_path, redis_server):
         )
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         salted = hash_blocks(ids, 16, salt=b"tenant-b")
-        assert wait_until(lambda: reg.prefix_match("tiny", salted).get(hb.replica_id) == len(salted))
+        assert wait_until(lambda: store.prefix_match("tiny", salted).get(hb.replica_id) == len(salted))
 
         # heartbeats carry measured rates once work was done
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).prefill_tokens_per_s > 0)
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).prefill_tokens_per_s > 0)
 
         # sleep empties the index and says so; wake brings the state back
         httpx.post(f"{server.url}/sleep?level=1", headers=server.admin_headers, timeout=30)
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).state == "sleeping")
-        assert wait_until(lambda: reg.prefix_match("tiny", hashes).get(hb.replica_id, 0) == 0)
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).state == "sleeping")
+        assert wait_until(lambda: store.prefix_match("tiny", hashes).get(hb.replica_id, 0) == 0)
         httpx.post(f"{server.url}/wake_up", headers=server.admin_headers, timeout=30)
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).state == "awake")
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).state == "awake")
 
         # Redis restarts (data lost) while the engine serves: it keeps serving and re-registers
         redis_server.stop()
@@ -74,12 +74,12 @@ def test_replica_lifecycle_in_redis(demo_model, tmp_path, redis_server):
         )
         assert r.status_code == 200
         redis_server.start()
-        assert wait_until(lambda: [h for h in reg.live_replicas("tiny") if h.replica_id == hb.replica_id])
-        assert wait_until(lambda: reg.prefix_match("tiny", hashes).get(hb.replica_id) == len(hashes))
+        assert wait_until(lambda: [h for h in store.live_replicas("tiny") if h.replica_id == hb.replica_id])
+        assert wait_until(lambda: store.prefix_match("tiny", hashes).get(hb.replica_id) == len(hashes))
 
-        # SIGTERM: draining, then gone from the registry
+        # SIGTERM: draining, then gone from Redis
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
-        assert reg.live_replicas("tiny") == []
-        assert reg.prefix_match("tiny", hashes).get(hb.replica_id, 0) == 0
-    reg.close()
+        assert store.live_replicas("tiny") == []
+        assert store.prefix_match("tiny", hashes).get(hb.replica_id, 0) == 0
+    store.close()

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvfleet_common.request_limits import MAX_JSON_DEPTH
+from kvfleet_common.server_kit.request_limits import MAX_JSON_DEPTH
 
 CTX = 512  # the module's server runs --max-model-len 512 (tests/server/conftest.py)
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
-from server_harness import run_server
 
+from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.hashing import hash_blocks
-from kvfleet_common.registry import Registry
 from kvfleet_engine.tokenizer import load_tokenizer
+from tests.server.server_harness import run_server
 
 ZERO_COST = (
     "--simulate", "--sim-prefill-ms-per-1k-tokens", "0", "--sim-decode-ms-per-step", "0",
@@ -47,11 +47,11 @@ def chat(server, content: str, max_tokens: int = 12) -> httpx.Response:
 
 def test_simulated_replica_serves_caches_and_sleeps(demo_model, tmp_path, redis_server):
     model_dir = demo_model("llama", "tiny")
-    reg = Registry.from_url(redis_server.url)
+    store = FleetStore.from_url(redis_server.url)
     # 8192 is above the tiny model's 4096 positions: allowed, since a simulated replica computes none.
     args = (*ZERO_COST, "--max-model-len", "8192", "--redis-url", redis_server.url, "--replica-name", "sim-a")
     with run_server(model_dir, tmp_path, *args, name="sim") as server:
-        [hb] = wait_until(lambda: [h for h in reg.live_replicas("sim") if h.state == "awake"])
+        [hb] = wait_until(lambda: [h for h in store.live_replicas("sim") if h.state == "awake"])
         assert hb.max_model_len == 8192 and hb.num_kv_blocks == 4096
         assert "simulated replica" in server.log()
 
@@ -84,21 +84,21 @@ def test_simulated_replica_serves_caches_and_sleeps(demo_model, tmp_path, redis_
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         hashes = hash_blocks(load_tokenizer(model_dir).encode(prompt), 16)
         assert len(hashes) >= 3
-        assert wait_until(lambda: reg.prefix_match("sim", hashes).get(hb.replica_id) == len(hashes))
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).prefill_tokens_per_s > 0)
+        assert wait_until(lambda: store.prefix_match("sim", hashes).get(hb.replica_id) == len(hashes))
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).prefill_tokens_per_s > 0)
         weights = server.metric("kvfleet_engine_device_memory_bytes", kind="weights")
         assert weights > 0 and server.metric("kvfleet_engine_device_memory_bytes", kind="kv_cache") > 0
 
         # sleep: state and index follow, requests get 503, memory metrics drop; wake brings it all back
         r = httpx.post(f"{server.url}/sleep?level=1", headers=server.admin_headers, timeout=30)
         assert r.status_code == 200
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).state == "sleeping")
-        assert wait_until(lambda: reg.prefix_match("sim", hashes).get(hb.replica_id, 0) == 0)
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).state == "sleeping")
+        assert wait_until(lambda: store.prefix_match("sim", hashes).get(hb.replica_id, 0) == 0)
         assert chat(server, question).status_code == 503
         assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") == 0
         r = httpx.post(f"{server.url}/wake_up", headers=server.admin_headers, timeout=30)
         assert r.status_code == 200 and r.json()["status"] == "awake"
-        assert wait_until(lambda: reg.get_heartbeat(hb.replica_id).state == "awake")
+        assert wait_until(lambda: store.get_heartbeat(hb.replica_id).state == "awake")
         assert server.metric("kvfleet_engine_device_memory_bytes", kind="weights") == weights
         again = chat(server, question).json()
         assert again["choices"][0]["message"]["content"] == choice["message"]["content"]
@@ -107,5 +107,5 @@ def test_simulated_replica_serves_caches_and_sleeps(demo_model, tmp_path, redis_
         # SIGTERM drains and deregisters, as for a real replica
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
-        assert reg.live_replicas("sim") == []
-    reg.close()
+        assert store.live_replicas("sim") == []
+    store.close()

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from server_harness import run_server
+
+from tests.server.server_harness import run_server
 
 
 class OTLPReceiver:

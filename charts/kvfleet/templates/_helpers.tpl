@@ -244,7 +244,7 @@ collector; empty when observability is off (then no component gets an exporter).
 {{- end -}}
 
 {{/* OTEL_* environment of a component the chart runs: (dict "root" $ "service" "kvfleet-gateway").
-kvfleet_common.tracing reads these; empty when there is no endpoint. */}}
+kvfleet_common.server_kit.tracing reads these; empty when there is no endpoint. */}}
 {{- define "kvfleet.otelEnv" -}}
 {{- $endpoint := include "kvfleet.otlpEndpoint" .root -}}
 {{- if $endpoint -}}

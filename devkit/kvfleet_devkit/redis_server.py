@@ -1,6 +1,7 @@
-"""A real ``redis-server`` for tests: free port, temp dir, no persistence; restartable on the same port.
+"""A real ``redis-server`` for tests, benchmarks and the local platform: free port, temp dir, no persistence;
+restartable on the same port.
 
-Used through the ``redis_server`` fixture in ``tests/conftest.py``::
+Tests use it through the ``redis_server`` fixture in ``tests/conftest.py``::
 
     def test_x(redis_server):
         r = redis.Redis.from_url(redis_server.url)
@@ -17,11 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvfleet_devkit.processes import free_port
 
 
 class RedisServer:

@@ -1,9 +1,9 @@
-"""TEST HARNESS: the whole kvfleet platform on one machine, standing in for a cluster.
+"""A development harness: the whole kvfleet platform on one machine, standing in for a cluster.
 
 `LocalPlatform` owns, in start order:
 
-1. a real ``redis-server`` on a free port (``tests/redis_server.py``);
-2. KMock's Kubernetes emulator serving the Kubernetes API over HTTP (``tests/operator/kube_emulator.py``),
+1. a real ``redis-server`` on a free port (``kvfleet_devkit.redis_server``);
+2. KMock's Kubernetes emulator serving the Kubernetes API over HTTP (``kvfleet_devkit.kube_emulator``),
    with the CRDs registered, the ``default`` and ``kvfleet-system`` namespaces, and a kubeconfig file
    pointing at it, so ``kubectl --kubeconfig <work>/kubeconfig ...`` works (``apply`` needs
    ``--validate=false``: the emulator serves no OpenAPI schema);
@@ -19,12 +19,13 @@ renders the endpoint into the pod template (its ``--otlp-endpoint``), and the po
 
 `stop()` undoes it all in reverse and fails loudly if any process is left behind.
 
-Run it for a person (the documented equivalent of ``kvfleet up --with-operator``, see docs/E2E.md)::
+Run it for a person (``kvfleet up --with-operator`` runs it too, see docs/E2E.md)::
 
-    .venv/bin/python e2e/local_platform.py            # Ctrl-C stops everything
+    .venv/bin/python -m kvfleet_devkit.local_platform            # Ctrl-C stops everything
 
 It writes the tiny demo model into the ``kvfleet-models`` claim, applies ``examples/tenant.yaml`` and
-``examples/local-tiny.yaml``, waits until the model is Ready, prints how to use it, and waits.
+``examples/local-tiny.yaml`` of the source checkout (an editable install; ``--no-examples`` without one),
+waits until the model is Ready, prints how to use it, and waits.
 """
 
 from __future__ import annotations
@@ -47,20 +48,16 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-# The emulator and the Redis helper are shared with tests/ (as bench/operator.py shares them).
-for _extra in (ROOT / "tests", ROOT / "tests" / "operator", ROOT / "e2e"):
-    if str(_extra) not in sys.path:
-        sys.path.insert(0, str(_extra))
+from kvfleet_devkit.kube_emulator import KubeEmulator
+from kvfleet_devkit.podrunner import PodRunner
+from kvfleet_devkit.processes import free_port, kill_group
+from kvfleet_devkit.redis_server import RedisServer
+from kvfleet_operator import crds
 
-from kube_emulator import KubeEmulator  # noqa: E402
-from podrunner import PodRunner, free_port, kill_group  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+log = logging.getLogger("kvfleet.devkit.platform")
 
-from kvfleet_operator import crds  # noqa: E402
-
-log = logging.getLogger("kvfleet.e2e.platform")
-
+# The source checkout this package runs from (an editable install): its examples/ and the default work dir.
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 MODELS_CLAIM = "kvfleet-models"  # examples/local-tiny.yaml: pvc://kvfleet-models/demo-llama-tiny
 DEMO_MODEL_DIR = "demo-llama-tiny"
@@ -239,7 +236,7 @@ class LocalPlatform:
     def _start_operator(self) -> None:
         health_port = free_port()
         cmd = [
-            sys.executable, "-m", "kvfleet_common.cli", "operator",
+            sys.executable, "-m", "kvfleet_cli.main", "operator",
             f"--server={self.kube_url}",
             f"--redis-url={self.redis_url}",
             f"--admin-token={self.admin_token}",
@@ -277,7 +274,7 @@ class LocalPlatform:
             raise RuntimeError("the gateway is not installed: pip install -e '.[gateway]'")
         port = self.gateway_port or free_port()
         cmd = [
-            sys.executable, "-m", "kvfleet_common.cli", "gateway",
+            sys.executable, "-m", "kvfleet_cli.main", "gateway",
             "--redis-url", self.redis_url,
             "--host", "127.0.0.1",
             "--port", str(port),
@@ -360,7 +357,7 @@ class LocalPlatform:
 
 def chat_through_gateway(platform: LocalPlatform, content: str, timeout: float = 120.0) -> httpx.Response:
     """One chat completion of the example model through the gateway with the example tenant's key, once the
-    gateway's registry snapshot (refreshed every 0.5 s) lists the model; retried while it answers 503."""
+    gateway's fleet snapshot (refreshed every 0.5 s) lists the model; retried while it answers 503."""
     assert platform.gateway_url is not None, "the gateway is not running"
     headers = {"Authorization": f"Bearer {TENANT_KEY}"}
 
@@ -386,9 +383,9 @@ def chat_through_gateway(platform: LocalPlatform, content: str, timeout: float =
     return wait_for(attempt, timeout, f"the gateway did not serve {DEMO_MODEL}", interval=0.5)
 
 
-def _main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="e2e/local_platform.py",
+        prog="python -m kvfleet_devkit.local_platform",
         description="kvfleet on this machine: Redis, a Kubernetes API emulator, the operator and local "
         "engine pods (the equivalent of `kvfleet up --with-operator`). Ctrl-C stops everything.",
     )
@@ -413,9 +410,12 @@ def _main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.once and args.no_examples:
         p.error("--once needs the examples (the tenant's key and the model)")
+    if not args.no_examples and not EXAMPLES.is_dir():
+        p.error(f"{EXAMPLES} not found: the examples come from a source checkout (an editable install of it); "
+                "pass --no-examples without one")  # fmt: skip
     with_gateway = args.with_gateway or args.once
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("kvfleet.e2e").setLevel(logging.INFO)  # pods starting, exiting, restarting
+    logging.getLogger("kvfleet.devkit").setLevel(logging.INFO)  # pods starting, exiting, restarting
     marker = args.work_dir / ".kvfleet-local-platform"
     if args.work_dir.exists() and any(args.work_dir.iterdir()):
         if not marker.exists():
@@ -506,4 +506,4 @@ Engine replicas announce their URL in Redis (kvf:replica:*, field base_url); e.g
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main())
