@@ -1,5 +1,9 @@
 """AsyncLLM: the API server's engine. Tokenize and validate here, generate in the core process.
 
+Each sequence of a request is validated and built into its ``EngineCoreRequest`` here, once, by the
+``InputProcessor``, and sent to the core as it is; the core builds its own ``Request`` from it (the
+prompt's block hashes are computed there, never in this process).
+
 ``generate()`` is an async iterator of *delta* RequestOutputs (only what is new since the previous
 one). Each request has a :class:`RequestOutputCollector`: the output task puts deltas into it
 without ever blocking, and a slow consumer simply finds several deltas merged into one when it
@@ -23,9 +27,8 @@ from dataclasses import dataclass
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.core_process import PresenceOptions
-from kvfleet_engine.core.messages import CoreStats, EngineCoreOutputs, EngineCoreRequest
-from kvfleet_engine.core.scheduler import EngineCoreOutput
-from kvfleet_engine.core_client import EngineCoreClient, EngineDeadError, sampling_params_to_wire
+from kvfleet_engine.core.messages import CoreStats, EngineCoreOutput, EngineCoreOutputs
+from kvfleet_engine.core_client import EngineCoreClient, EngineDeadError
 from kvfleet_engine.input_processor import InputProcessor, fan_out
 from kvfleet_engine.output_processor import OutputProcessor
 from kvfleet_engine.outputs import RequestOutput
@@ -154,25 +157,16 @@ class AsyncLLM:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs = fan_out(request_id, params)
-        wire = []
-        for seq_id, p in seqs.items():
-            req = self.input_processor.process(seq_id, prompt_token_ids, p, priority, cache_salt)
-            wire.append(
-                EngineCoreRequest(
-                    request_id=seq_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=sampling_params_to_wire(req.sampling_params),
-                    arrival_time=req.arrival_time,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                )
-            )
+        core_requests = [
+            self.input_processor.process(seq_id, prompt_token_ids, p, priority, cache_salt)
+            for seq_id, p in seqs.items()
+        ]
         collector = RequestOutputCollector()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
         self._live[request_id] = _Live(collector, list(seqs))
         finished = False
         try:
-            await self.client.add_requests(wire)
+            await self.client.add_requests(core_requests)
             while True:
                 out = await collector.get()
                 finished = out.finished

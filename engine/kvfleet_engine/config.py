@@ -1,21 +1,23 @@
-"""Engine configuration: what the user asked for, checked against what the model directory holds."""
+"""Engine configuration: what the user asked for (``EngineArgs``), checked against what the model directory
+holds, with every ``None`` and ``auto`` resolved."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvfleet_engine.device import canonical_device, cuda_index
-
-if TYPE_CHECKING:
-    from kvfleet_engine.executor.simulated import SimulationCost
-
-# KV blocks of a simulated replica when num_kv_blocks is not given (there is no device memory to measure).
-DEFAULT_SIMULATED_KV_BLOCKS = 4096
+from kvfleet_engine.engine_args import (
+    DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_SIMULATED_KV_BLOCKS,
+    EngineArgs,
+    SimulationCost,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -179,8 +181,6 @@ def _check_simulation(
     backend: str | None,
 ) -> tuple[SimulationCost, str, int]:
     """A simulated replica is one process on the CPU with a given number of KV blocks."""
-    from kvfleet_engine.executor.simulated import SimulationCost
-
     if isinstance(simulation, dict):
         try:
             simulation = SimulationCost(**simulation)
@@ -199,6 +199,9 @@ def _check_simulation(
 
 @dataclass(slots=True)
 class EngineConfig:
+    """The engine's settings, checked and resolved (no ``None`` or ``auto`` left where the engine needs a
+    value). Invariant: built by :meth:`create` from an ``EngineArgs``, which holds the defaults."""
+
     model: ModelConfig
     dtype: torch.dtype
     device: str
@@ -213,55 +216,37 @@ class EngineConfig:
     scheduling_policy: str
     seed: int
     attention_backend: str
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
     # "uni": the worker runs in the engine's process; "mp": one process per TP x PP rank.
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str
     # Decode steps on CUDA replay captured graphs (worker/cuda_graph.py) unless this is set.
-    enforce_eager: bool = False
+    enforce_eager: bool
     # Set: a simulated replica (executor/simulated.py): real scheduler and KV cache, no model, a timing model.
-    simulation: SimulationCost | None = None
+    simulation: SimulationCost | None
 
     @classmethod
-    def create(
-        cls,
-        model: str | Path,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        enforce_eager: bool = False,
-        simulation: SimulationCost | dict[str, float] | None = None,
-    ) -> EngineConfig:
-        """Check the arguments against the model directory; raises ValueError with a message fit for a user.
+    def create(cls, args: EngineArgs) -> EngineConfig:
+        """Check ``args`` against the model directory; raises ValueError with a message fit for a user.
 
-        ``simulation`` (a ``SimulationCost`` or its fields as a dict) makes a simulated replica: the
+        ``args.simulation`` (a ``SimulationCost`` or its fields as a dict) makes a simulated replica: the
         model directory still gives the tokenizer, vocabulary and chat template, but no weights are
         loaded. It runs on "cpu" in one process, takes ``num_kv_blocks`` (default
         ``DEFAULT_SIMULATED_KV_BLOCKS``) instead of measuring memory, has a GPU replica's default
-        ``max_num_batched_tokens`` (8192), and may use a ``max_model_len`` beyond the model's position
-        limit, since no positions are ever computed.
+        ``max_num_batched_tokens``, and may use a ``max_model_len`` beyond the model's position limit,
+        since no positions are ever computed.
         """
-        mc = ModelConfig.from_dir(model)
+        mc = ModelConfig.from_dir(args.model)
+        simulation, device, num_kv_blocks = args.simulation, args.device, args.num_kv_blocks
+        attention_backend = args.attention_backend
         if simulation is not None:
             simulation, device, num_kv_blocks = _check_simulation(
-                simulation, device, num_kv_blocks, kv_cache_memory_bytes,
-                tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
+                simulation, device, num_kv_blocks, args.kv_cache_memory_bytes,
+                args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend,
             )  # fmt: skip
             attention_backend = "torch"
         device = canonical_device(device, torch.cuda.device_count())
+        block_size, max_num_seqs = args.block_size, args.max_num_seqs
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {block_size}")
         if max_num_seqs < 1:
@@ -269,6 +254,7 @@ class EngineConfig:
         limit = mc.max_position_embeddings
         if mc.sliding_window is not None:
             limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside the window
+        max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len > limit and simulation is None:
@@ -278,12 +264,16 @@ class EngineConfig:
             )
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
             # A simulated replica models a GPU one, so it gets the GPU's budget.
-            max_num_batched_tokens = 2048 if device == "cpu" and simulation is None else 8192
+            on_cpu = device == "cpu" and simulation is None
+            max_num_batched_tokens = (
+                DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS
+            )
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+        if num_kv_blocks is not None and args.kv_cache_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
         if num_kv_blocks is not None and num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
@@ -291,28 +281,27 @@ class EngineConfig:
             attention_backend = "triton" if device.startswith("cuda") else "torch"
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
-        distributed_executor_backend = _check_parallel(
-            mc, device, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend
-        )
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        distributed_executor_backend = _check_parallel(mc, device, tp, pp, args.distributed_executor_backend)
         return cls(
             model=mc,
-            dtype=resolve_dtype(dtype, mc.torch_dtype, device),
+            dtype=resolve_dtype(args.dtype, mc.torch_dtype, device),
             device=device,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            seed=seed,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            seed=args.seed,
             attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             distributed_executor_backend=distributed_executor_backend,
-            enforce_eager=bool(enforce_eager),
+            enforce_eager=bool(args.enforce_eager),
             simulation=simulation,
         )
 

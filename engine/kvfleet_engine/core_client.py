@@ -1,16 +1,16 @@
 """The API server's handle on the engine core process: spawn it, talk to it over ZMQ, notice its death.
 
-Requests and aborts go out on a PUSH socket; everything the core produces comes back on a PULL
-socket and is handed to ``on_outputs``, which is awaited before the next message is read. A watcher
-task waits on the process sentinel: if the core exits for any reason, ``dead`` is set, pending
-utility calls fail with :class:`EngineDeadError` and ``on_dead`` is called once so the frontend can
-fail every open request at once (no hangs).
+Requests (the ``InputProcessor``'s ``EngineCoreRequest`` objects, msgpack-encoded as they are) and
+aborts go out on a PUSH socket; everything the core produces comes back on a PULL socket and is
+handed to ``on_outputs``, which is awaited before the next message is read. A watcher task waits
+on the process sentinel: if the core exits for any reason, ``dead`` is set, pending utility calls
+fail with :class:`EngineDeadError` and ``on_dead`` is called once so the frontend can fail every
+open request at once (no hangs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -237,12 +237,3 @@ class EngineCoreClient:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
-
-
-def sampling_params_to_wire(params) -> dict[str, Any]:
-    """A SamplingParams as the keyword arguments that rebuild it in the core."""
-    return {
-        f.name: getattr(params, f.name)
-        for f in dataclasses.fields(params)
-        if f.name != "all_stop_token_ids"  # derived; the core recomputes it
-    }

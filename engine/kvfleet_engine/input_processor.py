@@ -1,14 +1,21 @@
-"""Prompt -> validated engine Request(s): tokenize, check limits, fill in model-dependent defaults.
+"""Prompt -> validated ``EngineCoreRequest``: tokenize, check limits, fill in model-dependent values.
+
+This is the one place a request is checked against the model and completed for the core: the
+``max_tokens`` clamp and the stop-token set are derived here and nowhere else, in the process that
+accepted the request (the API server, or ``LLM``'s). The result is everything the engine core needs;
+the core trusts it (it does not validate or derive again) and builds its ``Request`` from it.
 
 Every rejection is a ``ValueError`` with a message fit for an API client (the server maps it to 400).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from kvfleet_engine.config import EngineConfig
-from kvfleet_engine.request import Request
+from kvfleet_engine.core.messages import EngineCoreRequest
 from kvfleet_engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -25,6 +32,14 @@ def fan_out(request_id: str, params: SamplingParams) -> dict[str, SamplingParams
             p.seed = params.seed + i
         seqs[request_id if params.n == 1 else f"{request_id}-{i}"] = p
     return seqs
+
+
+def request_stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """Every token that ends a request: its ``stop_token_ids``, plus the model's EOS ids unless
+    ``ignore_eos``. The scheduler stops on these and the sampler bans them below ``min_tokens``."""
+    if params.ignore_eos:
+        return frozenset(params.stop_token_ids)
+    return frozenset(params.stop_token_ids).union(eos_token_ids)
 
 
 class InputProcessor:
@@ -50,15 +65,8 @@ class InputProcessor:
             f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
         )
 
-    def process(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> Request:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` unless the prompt and parameters fit this model."""
         n = len(prompt_token_ids)
         max_len = self.config.max_model_len
         if n == 0:
@@ -76,16 +84,27 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
-        room = max_len - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        """Validate one sequence (``fan_out`` made ``params.n`` 1) and complete it for the core.
+        ``prompt_token_ids`` is kept, not copied: callers must not mutate it afterwards."""
+        self.validate(prompt_token_ids, params)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            max_tokens=max_tokens,
-            block_size=self.config.block_size,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time,
+            max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            stop_token_ids=request_stop_token_ids(params, self.eos_token_ids),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.input_processor import InputProcessor, PromptType, fan_out
 from kvfleet_engine.models.architectures import get_model_class
 from kvfleet_engine.output_processor import OutputProcessor
@@ -21,19 +23,20 @@ from kvfleet_engine.tokenizer import load_tokenizer
 
 class LLM:
     def __init__(self, model: str | Path, use_tqdm: bool = True, **engine_args: Any) -> None:
-        """``engine_args`` are :meth:`EngineConfig.create`'s (vLLM's names): dtype, device, block_size,
-        max_num_seqs, max_num_batched_tokens, max_model_len, num_kv_blocks, kv_cache_memory_bytes,
-        gpu_memory_utilization, enable_prefix_caching, scheduling_policy, seed, attention_backend,
-        tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend ("uni" | "mp"),
-        enforce_eager (no CUDA graphs for decode steps).
-        Unknown names raise TypeError."""
-        self.config = EngineConfig.create(model=model, **engine_args)
+        """``engine_args`` are the fields of :class:`~kvfleet_engine.engine_args.EngineArgs` (vLLM's names:
+        dtype, device, max_num_seqs, tensor_parallel_size, ...); an unknown name raises TypeError, a bad
+        value ValueError."""
+        self.config = EngineConfig.create(EngineArgs(model=model, **engine_args))
         get_model_class(self.config.model)  # unsupported architecture: say so before anything loads
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.engine = EngineCore(self.config, use_tqdm=use_tqdm)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True) -> LLM:
+        return cls(use_tqdm=use_tqdm, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfleet_engine.core.scheduler import EngineCoreOutput
+from kvfleet_engine.core.messages import EngineCoreOutput
 from kvfleet_engine.detokenizer import IncrementalDetokenizer
 from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams

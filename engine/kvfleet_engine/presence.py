@@ -31,7 +31,10 @@ from redis.retry import Retry
 
 from kvfleet_common import __version__
 from kvfleet_common import redis_keys as keys
-from kvfleet_common.registry import EVENT_BATCH, KVEvent, Registry, SupersededError, tokenizer_revision
+from kvfleet_common.fleet_store.kv_index import EVENT_BATCH, KVEvent
+from kvfleet_common.fleet_store.runner import SupersededError
+from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_common.fleet_store.tokenizers import tokenizer_revision
 from kvfleet_common.schemas import REPLICA_STATES, Heartbeat, ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -96,7 +99,7 @@ class PresencePublisher:
         self.started_at = time.time()
 
         # Socket errors surface at once (no client-side retry loop): this thread owns retrying.
-        self._registry = Registry(
+        self._store = FleetStore(
             redis.Redis.from_url(
                 redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
             )
@@ -194,7 +197,7 @@ class PresencePublisher:
         if self._thread is not None:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
-            self._registry.close()
+            self._store.close()
 
     # ---- shared-state helpers (call with _cond held) --------------------------------------------------
 
@@ -273,7 +276,7 @@ class PresencePublisher:
                 self._cond.wait(seconds)
 
     def _claim(self) -> None:
-        previous = self._registry.claim_name(self.name, self.replica_id, ttl=self.ttl)
+        previous = self._store.claim_name(self.name, self.replica_id, ttl=self.ttl)
         if previous:
             logger.info("presence: %s replaces previous epoch %s", self.replica_id, previous)
         self._publish_tokenizer()
@@ -281,7 +284,7 @@ class PresencePublisher:
 
     def _publish_tokenizer(self) -> None:
         if self._tokenizer_files:
-            self._registry.publish_tokenizer(self.model, self._tokenizer_files)
+            self._store.publish_tokenizer(self.model, self._tokenizer_files)
 
     def _beat(self) -> None:
         try:
@@ -301,7 +304,7 @@ class PresencePublisher:
             max_model_len=self.max_model_len, tokenizer_revision=self.tokenizer_revision,
             started_at=self.started_at, updated_at=now, version=__version__, kv_seq_emitted=seq,
         )  # fmt: skip
-        existed = self._registry.publish_heartbeat(hb, ttl=self.ttl)
+        existed = self._store.publish_heartbeat(hb, ttl=self.ttl)
         if not existed and not self._first_beat:
             # Redis restarted empty, or we were silent past the TTL: everything we wrote is gone.
             self._publish_tokenizer()
@@ -321,7 +324,7 @@ class PresencePublisher:
                     self._queued_events -= len(item.events)
             try:
                 if isinstance(item, _Events):
-                    result = self._registry.apply_kv_events(
+                    result = self._store.apply_kv_events(
                         self.replica_id, item.events, first_seq=item.first_seq
                     )
                 else:
@@ -343,11 +346,11 @@ class PresencePublisher:
         """Stage the next slice of a snapshot; commit once all is staged. None while unfinished."""
         if snap.uploaded < len(snap.hashes) or not snap.hashes:
             part = snap.hashes[snap.uploaded : snap.uploaded + SNAPSHOT_SLICE]
-            self._registry.stage_blocks(self.replica_id, part, fresh=snap.uploaded == 0)
+            self._store.stage_blocks(self.replica_id, part, fresh=snap.uploaded == 0)
             snap.uploaded += len(part)
             if snap.uploaded < len(snap.hashes):
                 return None
-        return self._registry.commit_staged_blocks(self.replica_id, len(snap.hashes), seq=snap.seq)
+        return self._store.commit_staged_blocks(self.replica_id, len(snap.hashes), seq=snap.seq)
 
     def _requeue(self, item: _Events | _Snapshot, generation: int) -> None:
         with self._cond:  # put it back at the front, unless the queue was discarded meanwhile
@@ -359,7 +362,7 @@ class PresencePublisher:
     def _shutdown(self) -> None:
         try:
             if self._deregister:
-                self._registry.deregister_replica(self.replica_id)
+                self._store.deregister_replica(self.replica_id)
             elif not self.superseded:
                 self._drain()
                 self._beat()

@@ -1,12 +1,17 @@
-"""The engine core's view of one request (one sequence: ``n > 1`` fans out before it gets here)."""
+"""The engine core's view of one request (one sequence: ``n > 1`` fans out before it gets here).
+
+A ``Request`` exists only in the engine core: ``EngineCore.add_request`` builds it from the
+front end's :class:`~kvfleet_engine.core.messages.EngineCoreRequest`, which is already validated and
+carries the clamped ``max_tokens`` and the stop-token set. Building it hashes the prompt's full
+blocks, so that cost is paid once, in the core process.
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 
 from kvfleet_common.hashing import BlockHash, hash_block, hash_blocks, root_hash
-from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.core.messages import EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,26 +48,15 @@ class Request:
     model. A prefix-cache hit, a prefill chunk and a decode step all just advance it.
     """
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        max_tokens: int,
-        block_size: int,
-        eos_token_ids: frozenset[int] = frozenset(),
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
+    def __init__(self, request: EngineCoreRequest, block_size: int) -> None:
+        self.request_id = request.request_id
+        self.prompt_token_ids = prompt_token_ids = request.prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.sampling_params = sampling_params
-        self.max_tokens = max_tokens
-        self.eos_token_ids = eos_token_ids
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.priority = priority
+        self.sampling_params = request.sampling_params
+        self.max_tokens = request.max_tokens
+        self.stop_token_ids = request.stop_token_ids
+        self.arrival_time = request.arrival_time
+        self.priority = request.priority
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -73,13 +67,8 @@ class Request:
         self.num_preemptions = 0
 
         self.block_size = block_size
-        self._hash_root = root_hash(cache_salt or b"")
+        self._hash_root = root_hash(request.cache_salt or b"")
         self.block_hashes: list[BlockHash] = hash_blocks(prompt_token_ids, block_size, parent=self._hash_root)
-
-        stop_ids = set(sampling_params.all_stop_token_ids)
-        if not sampling_params.ignore_eos:
-            stop_ids |= eos_token_ids
-        self.stop_token_ids = frozenset(stop_ids)
 
     @property
     def num_tokens(self) -> int:

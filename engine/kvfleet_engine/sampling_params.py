@@ -2,13 +2,14 @@
 
 Validation that needs only the parameters themselves happens here and raises ``ValueError`` (the
 server maps it to HTTP 400). Checks that need the model (stop token ids inside the vocabulary,
-``max_tokens`` against ``max_model_len``) happen when the engine accepts the request.
+``max_tokens`` against ``max_model_len``), and the stop-token set with the model's EOS, are the
+``InputProcessor``'s.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
@@ -40,8 +41,6 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one is always included)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Filled in by the engine: EOS and generation_config's extra EOS ids (not user-facing).
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -58,7 +57,6 @@ class SamplingParams:
             # Greedy: the other knobs that reshape the distribution are meaningless.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(msg: str) -> ValueError:

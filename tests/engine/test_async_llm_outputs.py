@@ -12,13 +12,13 @@ import zmq
 
 from kvfleet_engine.async_llm import OUTPUT_SLICE, AsyncLLM
 from kvfleet_engine.config import EngineConfig
-from kvfleet_engine.core.messages import REQUESTS_DECODER, EngineCoreOutputs, RequestKind
-from kvfleet_engine.core.scheduler import EngineCoreOutput
+from kvfleet_engine.core.messages import REQUESTS_DECODER, EngineCoreOutput, EngineCoreOutputs, RequestKind
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.sampling_params import SamplingParams
 
 
 def test_a_steps_outputs_reach_their_handlers_slice_by_slice(demo_model):
-    config = EngineConfig.create(demo_model(), max_model_len=256)
+    config = EngineConfig.create(EngineArgs(demo_model(), max_model_len=256))
     asyncio.run(_slices(config))
 
 

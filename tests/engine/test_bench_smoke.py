@@ -3,7 +3,7 @@ model with a handful of requests and writes JSON with the expected keys. No timi
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -12,15 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.{name}")
 
 
 @pytest.fixture(scope="module")

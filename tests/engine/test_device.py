@@ -14,6 +14,7 @@ import torch
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.device import bind_device, canonical_device, cuda_index, rank_device
+from kvfleet_engine.engine_args import EngineArgs
 
 
 @pytest.fixture
@@ -78,16 +79,19 @@ def test_rank_devices_count_up_from_the_configured_one():
 
 @pytest.mark.parametrize(("asked", "kept"), [("cuda", "cuda:0"), ("cuda:1", "cuda:1"), ("auto", "cuda:0")])
 def test_engine_config_keeps_the_canonical_device(demo_model, two_gpus, asked, kept):
-    cfg = EngineConfig.create(demo_model(), device=asked)
+    cfg = EngineConfig.create(EngineArgs(demo_model(), device=asked))
     assert cfg.device == kept
     assert cfg.dtype == torch.bfloat16  # dtype "auto" on a GPU: the checkpoint's float32 becomes bf16
     assert cfg.attention_backend == "triton"
 
 
 def test_engine_config_checks_tensor_parallel_ranks_fit_from_the_first_device(demo_model, two_gpus):
-    assert EngineConfig.create(demo_model(), device="cuda:0", tensor_parallel_size=2).device == "cuda:0"
+    assert (
+        EngineConfig.create(EngineArgs(demo_model(), device="cuda:0", tensor_parallel_size=2)).device
+        == "cuda:0"
+    )
     with pytest.raises(ValueError, match="needs 2 GPUs from cuda:1, found 1"):
-        EngineConfig.create(demo_model(), device="cuda:1", tensor_parallel_size=2)
+        EngineConfig.create(EngineArgs(demo_model(), device="cuda:1", tensor_parallel_size=2))
 
 
 def test_worker_binds_the_configured_cuda_device_before_building_the_runner(
@@ -105,7 +109,7 @@ def test_worker_binds_the_configured_cuda_device_before_building_the_runner(
 
     # The runner would allocate on the GPU; stopping there shows the device was bound first.
     monkeypatch.setattr(worker_module, "ModelRunner", runner)
-    cfg = EngineConfig.create(demo_model(), device="cuda")
+    cfg = EngineConfig.create(EngineArgs(demo_model(), device="cuda"))
     for device in ("cuda", cfg.device, "cuda:1"):
         with pytest.raises(RunnerReached):
             worker_module.Worker(dataclasses.replace(cfg, device=device), use_tqdm=False)

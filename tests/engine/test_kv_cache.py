@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvfleet_engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.messages import EngineCoreRequest
 from kvfleet_engine.request import Request
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -20,15 +21,16 @@ BS = 4
 
 
 def make_req(rid: str, tokens: list[int], block_size: int = BS, cache_salt: str | None = None) -> Request:
-    return Request(
+    core_request = EngineCoreRequest(
         rid,
         list(tokens),
         SamplingParams(max_tokens=64),
         max_tokens=64,
-        block_size=block_size,
-        eos_token_ids=frozenset({2}),
+        stop_token_ids=frozenset({2}),
+        arrival_time=0.0,
         cache_salt=cache_salt,
     )
+    return Request(core_request, block_size=block_size)
 
 
 def admit(kv: KVCacheManager, req: Request) -> int:

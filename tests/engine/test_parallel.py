@@ -24,6 +24,7 @@ import pytest
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.executor.multiproc import WorkerFailure
 from kvfleet_engine.input_processor import InputProcessor
 
@@ -190,14 +191,18 @@ def test_invalid_parallel_sizes_fail_at_start_up_with_the_reason(demo_model, tes
     # What the model can be split by does not depend on the device: checked on the CPU, where any
     # number of ranks is possible.
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
-        EngineConfig.create(path, device="cpu", tensor_parallel_size=3)
+        EngineConfig.create(EngineArgs(path, device="cpu", tensor_parallel_size=3))
     with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
-        EngineConfig.create(path, device="cpu", pipeline_parallel_size=5)
+        EngineConfig.create(EngineArgs(path, device="cpu", pipeline_parallel_size=5))
     with pytest.raises(ValueError, match="positive integer"):
-        EngineConfig.create(path, device="cpu", tensor_parallel_size=0)
+        EngineConfig.create(EngineArgs(path, device="cpu", tensor_parallel_size=0))
     with pytest.raises(ValueError, match="need distributed_executor_backend='mp'"):
-        EngineConfig.create(path, device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni")
-    cfg = EngineConfig.create(path, device="cpu", tensor_parallel_size=4, pipeline_parallel_size=4)
+        EngineConfig.create(
+            EngineArgs(path, device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni")
+        )
+    cfg = EngineConfig.create(
+        EngineArgs(path, device="cpu", tensor_parallel_size=4, pipeline_parallel_size=4)
+    )
     assert cfg.distributed_executor_backend == "mp"  # 2 KV heads replicated over 4 ranks is fine
     if on_cuda:  # on CUDA every rank needs a GPU of its own
         import torch
@@ -206,7 +211,7 @@ def test_invalid_parallel_sizes_fail_at_start_up_with_the_reason(demo_model, tes
         if have < 16:
             with pytest.raises(ValueError, match="needs 16 GPUs"):
                 EngineConfig.create(
-                    path, device=test_device, tensor_parallel_size=4, pipeline_parallel_size=4
+                    EngineArgs(path, device=test_device, tensor_parallel_size=4, pipeline_parallel_size=4)
                 )
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.embed_head import ParallelLMHead
 from kvfleet_engine.layers.linear import LinearBase
@@ -61,7 +62,7 @@ def _packable(model: torch.nn.Module) -> list[torch.nn.Module]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_worker_packs_every_matmul_weight_and_repacks_after_a_level2_wake(demo_model, arch):
     cfg = EngineConfig.create(
-        demo_model(arch=arch), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+        EngineArgs(demo_model(arch=arch), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
     )
     worker = Worker(cfg, use_tqdm=False)
     worker.initialize_kv_cache(worker.determine_num_kv_blocks())
@@ -90,7 +91,7 @@ def test_worker_packs_every_matmul_weight_and_repacks_after_a_level2_wake(demo_m
 def test_switched_off_the_worker_packs_nothing(demo_model, monkeypatch):
     monkeypatch.setenv(prepack.ENV_SWITCH, "off")
     cfg = EngineConfig.create(
-        demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+        EngineArgs(demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
     )
     worker = Worker(cfg, use_tqdm=False)
     assert all(m.packed_weight is None for m in _packable(worker.runner.model))
@@ -103,7 +104,7 @@ def test_switched_off_the_worker_packs_nothing(demo_model, monkeypatch):
 def test_cpu_workers_tune_glibc_malloc_once(demo_model, monkeypatch):
     monkeypatch.setattr(host_allocator, "_tuned", False)  # earlier tests' workers tuned this process
     cfg = EngineConfig.create(
-        demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16
+        EngineArgs(demo_model(), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
     )
     Worker(cfg, use_tqdm=False)
     assert host_allocator._tuned  # a CPU worker applied the settings

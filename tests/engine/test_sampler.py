@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvfleet_engine.input_processor import request_stop_token_ids
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata, make_generator
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ def build_metadata(
     prompts: list[list[int]] | None = None,
     generators: dict[int, torch.Generator] | None = None,
     default_generator: torch.Generator | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingMetadata:
     """What the model runner builds from its persistent batch."""
     n = len(params)
@@ -36,7 +38,9 @@ def build_metadata(
         )
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     min_tokens = {
-        i: (p.min_tokens, set(p.all_stop_token_ids)) for i, p in enumerate(params) if p.min_tokens > 0
+        i: (p.min_tokens, request_stop_token_ids(p, eos_token_ids))
+        for i, p in enumerate(params)
+        if p.min_tokens > 0
     }
     return SamplingMetadata(
         temperature=torch.tensor(temps, dtype=torch.float32),
@@ -299,26 +303,24 @@ def test_min_tokens_bans_stop_ids_until_reached(sampler):
     logits[:, 7] = 10.0  # EOS is by far the most likely
     logits[:, 2] = 9.0  # a user stop id, second
     logits[:, 4] = 8.0  # best token once the stop ids are banned
-    params = []
-    for _ in range(3):
-        p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2])
-        p.all_stop_token_ids |= {7}
-        params.append(p)
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2]) for _ in range(3)]
     outputs = [[1], [1, 1], [1, 1, 1]]  # row 2 has reached min_tokens
-    out = sampler(logits, build_metadata(params, vocab, outputs=outputs))
+    out = sampler(logits, build_metadata(params, vocab, outputs=outputs, eos_token_ids=frozenset({7})))
     assert out.sampled_token_ids.tolist() == [4, 4, 7]
     assert logits[0, 7] == 10.0  # the caller's logits are untouched
     # Random rows never sample banned ids either.
-    params_r = []
-    for _ in range(500):
-        p = SamplingParams(temperature=1.0, min_tokens=5)
-        p.all_stop_token_ids |= {7, 2}
-        params_r.append(p)
+    params_r = [SamplingParams(temperature=1.0, min_tokens=5) for _ in range(500)]
     logits_r = torch.zeros(500, vocab)
     logits_r[:, 7] = 5.0
     out = sampler(
         logits_r,
-        build_metadata(params_r, vocab, outputs=[[0]] * 500, default_generator=make_generator(7, DEVICE)),
+        build_metadata(
+            params_r,
+            vocab,
+            outputs=[[0]] * 500,
+            default_generator=make_generator(7, DEVICE),
+            eos_token_ids=frozenset({7, 2}),
+        ),
     )
     assert not ((out.sampled_token_ids == 7) | (out.sampled_token_ids == 2)).any()
 

@@ -8,6 +8,7 @@ either from a per-request script or from a deterministic function of the context
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -16,8 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.messages import EngineCoreOutput, EngineCoreRequest
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from kvfleet_engine.core.scheduler import EngineCoreOutput, Scheduler
+from kvfleet_engine.core.scheduler import Scheduler
+from kvfleet_engine.input_processor import request_stop_token_ids
 from kvfleet_engine.request import Request, RequestStatus
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -50,14 +53,16 @@ def make_req(
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, **params)
     return Request(
-        rid,
-        list(prompt),
-        sp,
-        max_tokens=max_tokens,
+        EngineCoreRequest(
+            rid,
+            list(prompt),
+            sp,
+            max_tokens=max_tokens,
+            stop_token_ids=request_stop_token_ids(sp, {EOS}),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+        ),
         block_size=BS,
-        eos_token_ids=frozenset({EOS}),
-        priority=priority,
-        arrival_time=arrival_time,
     )
 
 

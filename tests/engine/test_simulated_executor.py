@@ -11,8 +11,9 @@ import math
 import pytest
 
 from kvfleet_engine import LLM, SamplingParams
-from kvfleet_engine.config import DEFAULT_SIMULATED_KV_BLOCKS, EngineConfig
-from kvfleet_engine.executor.simulated import SimulatedExecutor, SimulationCost, step_seconds
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.engine_args import DEFAULT_SIMULATED_KV_BLOCKS, EngineArgs, SimulationCost
+from kvfleet_engine.executor.simulated import SimulatedExecutor, step_seconds
 
 # Small but non-zero costs: every step really sleeps, and the tests stay fast.
 COST = SimulationCost(
@@ -52,25 +53,25 @@ def test_zero_cost_is_free_and_bad_costs_are_refused():
 
 def test_config_of_a_simulated_replica(demo_model):
     path = demo_model("llama", "tiny")
-    cfg = EngineConfig.create(path, simulation={"decode_ms_per_step": 3.0})
+    cfg = EngineConfig.create(EngineArgs(path, simulation={"decode_ms_per_step": 3.0}))
     assert cfg.simulation == SimulationCost(decode_ms_per_step=3.0)
     assert cfg.device == "cpu" and cfg.distributed_executor_backend == "uni"
     assert cfg.num_kv_blocks == DEFAULT_SIMULATED_KV_BLOCKS
     assert cfg.max_num_batched_tokens == 8192  # a GPU replica's budget: a 2,200-token prompt is one step
     # No positions are computed: a simulated replica may exceed the model's position limit (4096).
-    long = EngineConfig.create(path, simulation=COST, max_model_len=16384, num_kv_blocks=2048)
+    long = EngineConfig.create(EngineArgs(path, simulation=COST, max_model_len=16384, num_kv_blocks=2048))
     assert long.max_model_len == 16384 and long.num_kv_blocks == 2048
     with pytest.raises(ValueError, match="exceeds"):
-        EngineConfig.create(path, max_model_len=16384)  # the real engine still refuses
+        EngineConfig.create(EngineArgs(path, max_model_len=16384))  # the real engine still refuses
     for bad, match in (
         ({"device": "cuda"}, "CPU"),
         ({"tensor_parallel_size": 2}, "one process"),
         ({"kv_cache_memory_bytes": 1 << 20}, "num_kv_blocks"),
     ):
         with pytest.raises(ValueError, match=match):
-            EngineConfig.create(path, simulation=COST, **bad)
+            EngineConfig.create(EngineArgs(path, simulation=COST, **bad))
     with pytest.raises(ValueError, match="bad simulation costs"):
-        EngineConfig.create(path, simulation={"prefill_tokens_per_s": 1.0})
+        EngineConfig.create(EngineArgs(path, simulation={"prefill_tokens_per_s": 1.0}))
 
 
 # ---- the offline engine with a simulated executor -------------------------------------------------

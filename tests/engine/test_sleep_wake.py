@@ -21,6 +21,7 @@ import torch
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.input_processor import InputProcessor
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ def _generate(core: EngineCore, prompts: list[list[int]], tag: str) -> list[list
 def _core(path, device: str, **kw) -> EngineCore:
     # Small chunks: prompts are prefilled over several steps (chunked prefill in the mix).
     cfg = EngineConfig.create(
-        path, device=device, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw
+        EngineArgs(path, device=device, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw)
     )
     return EngineCore(cfg, use_tqdm=False)
 

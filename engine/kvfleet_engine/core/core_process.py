@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from kvfleet_common.gc_heap import freeze_long_lived, mark_server_process
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived, mark_server_process
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.engine_core import EngineCore
 from kvfleet_engine.core.messages import (
@@ -34,16 +34,14 @@ from kvfleet_engine.core.messages import (
     REQUESTS_DECODER,
     UTILITY_DECODER,
     CoreStats,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestKind,
     UtilityCall,
     UtilityResult,
 )
-from kvfleet_engine.core.scheduler import EngineCoreOutput
 from kvfleet_engine.models.loader import use_a_thread_lock_for_progress_bars
-from kvfleet_engine.request import Request
-from kvfleet_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +186,6 @@ class EngineCoreProc:
             self._emit([], [self._call(payload)])
 
     def _add(self, reqs: list[EngineCoreRequest]) -> None:
-        cfg = self.config
         rejected: list[EngineCoreOutput] = []
         for r in reqs:
             if self.engine.is_sleeping:  # raced with sleep: end it at once, the frontend maps it to 503
@@ -196,23 +193,7 @@ class EngineCoreProc:
                     EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort")
                 )
                 continue
-            params = SamplingParams(**r.sampling_params)
-            params.all_stop_token_ids = set(params.stop_token_ids)
-            room = cfg.max_model_len - len(r.prompt_token_ids)
-            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-            self.engine.add_request(
-                Request(
-                    request_id=r.request_id,
-                    prompt_token_ids=r.prompt_token_ids,
-                    sampling_params=params,
-                    max_tokens=max_tokens,
-                    block_size=cfg.block_size,
-                    eos_token_ids=cfg.model.eos_token_ids,
-                    arrival_time=r.arrival_time,
-                    priority=r.priority,
-                    cache_salt=r.cache_salt,
-                )
-            )
+            self.engine.add_request(r)
         if rejected:
             self._emit(rejected)
 

@@ -1,4 +1,9 @@
-"""EngineCore: scheduler + executor. ``step() = schedule -> execute_model -> update_from_output``."""
+"""EngineCore: scheduler + executor. ``step() = schedule -> execute_model -> update_from_output``.
+
+Requests come in as the front end's ``EngineCoreRequest`` (already validated, see
+``core/messages.py``), in process (``LLM``) or decoded off the input socket (``core_process``);
+:meth:`EngineCore.add_request` is the one place they become the scheduler's ``Request``.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,10 @@ from dataclasses import dataclass
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.block_pool import KVEventSink
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.messages import EngineCoreOutput, EngineCoreRequest
 from kvfleet_engine.core.sched_output import SchedulerOutput
-from kvfleet_engine.core.scheduler import EngineCoreOutput, Scheduler
-from kvfleet_engine.executor.abstract import Executor
+from kvfleet_engine.core.scheduler import Scheduler
+from kvfleet_engine.executor.selection import executor_for
 from kvfleet_engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class StepRates:
 class EngineCore:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True, on_kv_event: KVEventSink | None = None):
         self.config = config
-        self.executor = Executor.for_config(config, use_tqdm=use_tqdm)
+        self.executor = executor_for(config, use_tqdm=use_tqdm)
         num_blocks = self.executor.determine_num_kv_blocks()
         # One request at max_model_len must fit alone, or it could be preempted forever.
         capacity = (num_blocks - 1) * config.block_size
@@ -91,8 +97,9 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self.scheduler.pipeline_depth = self.executor.max_concurrent_batches
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a validated request (the prompt's block hashes are computed here)."""
+        self.scheduler.add_request(Request(request, self.config.block_size))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -1,4 +1,19 @@
-"""What the API server process and the engine core process say to each other (msgpack over ZMQ).
+"""What the front end and the engine core say to each other: one request in, step outputs out.
+
+Who builds what:
+
+- The front end's ``InputProcessor`` builds every :class:`EngineCoreRequest`: all user-facing
+  validation, the ``max_tokens`` clamp and the stop-token set happen there, once. Nothing else
+  constructs one outside tests.
+- The engine core turns it into its ``Request`` in one place (``EngineCore.add_request``); the
+  prompt's block hashes are computed there, in the core, never in the API server process.
+- The scheduler builds :class:`EngineCoreOutput` (one per request per step); the front end's
+  ``OutputProcessor`` reads them. This module is all the front end needs of the core's types: it
+  never imports the scheduler.
+
+The same objects cross the process boundary as-is: ``AsyncLLM`` sends them msgpack-encoded over ZMQ
+(``ENCODER`` / ``REQUESTS_DECODER`` / ``OUTPUTS_DECODER``), ``LLM`` hands them to an in-process
+``EngineCore`` unencoded.
 
 Input socket (API server PUSH -> core PULL): one ``[kind, payload]`` pair of frames per message.
 Output socket (core PUSH -> API server PULL): one ``EngineCoreOutputs`` per busy-loop iteration that
@@ -12,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from kvfleet_engine.core.scheduler import EngineCoreOutput
+from kvfleet_engine.sampling_params import SamplingParams
 
 
 class RequestKind(bytes, enum.Enum):
@@ -22,12 +37,46 @@ class RequestKind(bytes, enum.Enum):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence (``n > 1`` fans out before this), validated and complete: the core checks nothing
+    user-facing again and derives nothing from the model's config for it.
+
+    ``prompt_token_ids`` is the caller's list, not a copy (the n sequences of a request share it);
+    nobody mutates it. ``sampling_params`` is a SamplingParams dataclass, which msgspec encodes as a
+    map and rebuilds (its ``__post_init__`` runs again on decode; it is idempotent).
+    """
+
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: dict[str, Any]  # SamplingParams fields (validated again in the core)
-    arrival_time: float
+    sampling_params: SamplingParams
+    # min(sampling_params.max_tokens, what max_model_len leaves after the prompt).
+    max_tokens: int
+    # Every token that ends the request: the user's stop_token_ids, plus EOS unless ignore_eos.
+    stop_token_ids: frozenset[int]
+    arrival_time: float  # time.monotonic() in the process that accepted it (one clock per host)
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # seeds the prefix-cache hash chain (tenant isolation)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request (new tokens since the last output).
+
+    ``finish_reason`` is "stop", "length" or "abort" once the request is finished (else None).
+
+    Not tracked by the garbage collector (``gc=False``: its fields never refer back to it): a step
+    builds one per running request, and hundreds of tracked objects alive at once would set off a
+    collection in the middle of every step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # [len(new_token_ids)] rows of (token ids, logprobs) with the sampled token first, and its rank.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

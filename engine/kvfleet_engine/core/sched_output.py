@@ -26,6 +26,7 @@ class NewRequestData:
     # Tokens generated before a preemption (recompute replays them as part of the prefill).
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]  # the request's (EOS included unless ignore_eos): banned below min_tokens
     block_ids: list[int]
     num_computed_tokens: int
 

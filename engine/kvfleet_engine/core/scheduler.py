@@ -18,9 +18,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+from kvfleet_engine.core.messages import EngineCoreOutput
 from kvfleet_engine.core.sched_output import (
     NO_NEW_BLOCKS,
     CachedRequestData,
@@ -29,26 +28,6 @@ from kvfleet_engine.core.sched_output import (
     SchedulerOutput,
 )
 from kvfleet_engine.request import Request, RequestStatus
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What one step produced for one request (new tokens since the last output).
-
-    Not tracked by the garbage collector (``gc=False``: its fields never refer back to it): a step
-    builds one per running request, and hundreds of tracked objects alive at once would set off a
-    collection in the middle of every step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    # [len(new_token_ids)] rows of (token ids, logprobs) with the sampled token first, and its rank.
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class WaitingQueue:
@@ -255,6 +234,7 @@ class Scheduler:
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids),
                     sampling_params=req.sampling_params,
+                    stop_token_ids=req.stop_token_ids,
                     block_ids=kv.get_block_ids(req.request_id),
                     num_computed_tokens=num_hit,
                 )
@@ -363,7 +343,7 @@ class Scheduler:
         if token in req.stop_token_ids and num_output >= req.sampling_params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             # EOS ends a request without a stop_reason (as in vLLM); a user stop id is reported.
-            if token in req.sampling_params.all_stop_token_ids:
+            if token in req.sampling_params.stop_token_ids:
                 req.stop_reason = token
             return True
         return False

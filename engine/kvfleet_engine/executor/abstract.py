@@ -17,22 +17,6 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    @classmethod
-    def for_config(cls, config: EngineConfig, use_tqdm: bool = True) -> Executor:
-        """Simulated (no model) when ``config.simulation`` is set; else in-process for one rank (unless
-        ``distributed_executor_backend="mp"``), else one process per rank."""
-        if config.simulation is not None:
-            from kvfleet_engine.executor.simulated import SimulatedExecutor
-
-            return SimulatedExecutor(config, use_tqdm=use_tqdm)
-        if config.distributed_executor_backend == "uni":
-            from kvfleet_engine.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor(config, use_tqdm=use_tqdm)
-        from kvfleet_engine.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, use_tqdm=use_tqdm)
-
     @property
     def is_failed(self) -> bool:
         """True once the workers are gone for good (the engine must stop)."""

@@ -38,6 +38,7 @@ import xxhash
 
 from kvfleet_engine.config import EngineConfig, ModelConfig
 from kvfleet_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvfleet_engine.engine_args import SimulationCost
 from kvfleet_engine.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
@@ -45,32 +46,6 @@ logger = logging.getLogger(__name__)
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 _LN2 = math.log(2.0)
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(slots=True, frozen=True)
-class SimulationCost:
-    """What one engine step costs on the simulated device, in milliseconds.
-
-    The defaults model a small model on one GPU: prefill at 20k tokens/s (a 2,000-token prompt takes
-    ~100 ms) and a 15 ms decode step, plus a little per decoding sequence. All zero gives a replica
-    whose steps cost only the engine's own bookkeeping (for measuring the gateway's overhead).
-    """
-
-    prefill_ms_per_1k_tokens: float = 50.0
-    decode_ms_per_step: float = 15.0
-    decode_ms_per_seq: float = 0.1
-    step_overhead_ms: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in (
-            "prefill_ms_per_1k_tokens",
-            "decode_ms_per_step",
-            "decode_ms_per_seq",
-            "step_overhead_ms",
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"simulation cost {name} must be a finite number >= 0, got {v!r}")
 
 
 def step_seconds(cost: SimulationCost, prefill_tokens: int, num_decodes: int) -> float:

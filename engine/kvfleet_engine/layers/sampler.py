@@ -51,7 +51,7 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None  # [B] float32
     repetition_penalties: torch.Tensor | None  # [B] float32
     # row -> (min_tokens, stop token ids incl. EOS): banned while len(output_token_ids[row]) < min_tokens
-    min_tokens: dict[int, tuple[int, set[int]]]
+    min_tokens: dict[int, tuple[int, frozenset[int]]]
     default_generator: torch.Generator | None = None  # rows without a seed (None: torch's global RNG)
 
 

@@ -16,8 +16,6 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvfleet_common
-from kvfleet_common.gc_heap import freeze_long_lived
-from kvfleet_common.http import ApiError, BodySizeLimit, bearer_matches, install_error_handlers
 from kvfleet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,8 +29,10 @@ from kvfleet_common.openai_protocol import (
     TokenizeResponse,
     error_body,
 )
-from kvfleet_common.request_limits import BoundedJsonRoute
-from kvfleet_common.runtime_metrics import watch_loop_lag
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived
+from kvfleet_common.server_kit.http import ApiError, BodySizeLimit, bearer_matches, install_error_handlers
+from kvfleet_common.server_kit.request_limits import BoundedJsonRoute
+from kvfleet_common.server_kit.runtime_metrics import watch_loop_lag
 from kvfleet_engine.async_llm import AsyncLLM
 from kvfleet_engine.server.metrics import EngineMetrics
 from kvfleet_engine.server.serving import OpenAIServing

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvfleet_common.runtime_metrics import add_process_collectors, loop_lag_histogram
+from kvfleet_common.server_kit.runtime_metrics import add_process_collectors, loop_lag_histogram
 from kvfleet_engine.core.messages import CoreStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5,

@@ -19,17 +19,17 @@ import sys
 
 import uvicorn
 
-from kvfleet_common.graceful import BoundedShutdownServer
-from kvfleet_common.http import ApiError
-from kvfleet_common.server_flags import add_connection_args, uvicorn_connection_options
-from kvfleet_engine.generate_cli import add_engine_args, engine_kwargs
+from kvfleet_common.server_kit.connection_flags import add_connection_args, uvicorn_connection_options
+from kvfleet_common.server_kit.graceful import BoundedShutdownServer
+from kvfleet_common.server_kit.http import ApiError
+from kvfleet_engine.engine_args import EngineArgs
 
 logger = logging.getLogger("kvfleet_engine.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet engine serve", description=__doc__.splitlines()[0])
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
@@ -55,8 +55,8 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kvfleet_common.gc_heap import mark_server_process
-    from kvfleet_common.tracing import setup_tracing
+    from kvfleet_common.server_kit.gc_heap import mark_server_process
+    from kvfleet_common.server_kit.tracing import setup_tracing
     from kvfleet_engine.async_llm import AsyncLLM
     from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.core.core_process import PresenceOptions
@@ -64,13 +64,13 @@ def serve_main(argv: list[str]) -> int:
     from kvfleet_engine.server.app import build_app
 
     try:
-        config = EngineConfig.create(**engine_kwargs(args))
+        config = EngineConfig.create(EngineArgs.from_cli_args(args))
         get_model_class(config.model)
     except (ValueError, NotImplementedError) as e:
         print(f"kvfleet engine serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or config.model.path.name
-    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.gc_heap)
+    mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.server_kit.gc_heap)
     presence = None
     if args.redis_url:
         host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
@@ -103,7 +103,7 @@ def serve_main(argv: list[str]) -> int:
 class DrainingServer(BoundedShutdownServer):
     """On the first SIGTERM/SIGINT, mark the replica draining (``/health`` and Redis heartbeats say
     so) before the graceful shutdown closes the port and waits for in-flight requests, at most
-    ``shutdown_timeout`` seconds: then each one left ends with an error (``kvfleet_common.graceful``)."""
+    ``shutdown_timeout`` seconds: then each one left ends with an error (``kvfleet_common.server_kit.graceful``)."""
 
     def __init__(self, config: uvicorn.Config, app, shutdown_timeout: float) -> None:
         super().__init__(config, shutdown_timeout, self._end_requests)

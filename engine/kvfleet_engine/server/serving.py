@@ -6,7 +6,7 @@ All prompts are validated before any reaches the engine, so a bad one leaves not
 
 The event loop serves every client, so the work a request can put on it is bounded: every prompt's size
 is checked against what the context can hold before anything is tokenized, long texts are tokenized in a
-worker thread, and ``max_tokens`` must fit the context with the prompt (``kvfleet_common.request_limits``).
+worker thread, and ``max_tokens`` must fit the context with the prompt (``kvfleet_common.server_kit.request_limits``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from kvfleet_common.http import ApiError, client_request_id
 from kvfleet_common.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,8 +43,9 @@ from kvfleet_common.openai_protocol import (
     Usage,
     error_body,
 )
-from kvfleet_common.request_limits import TextBound, clip, context_problem, encode_off_loop
-from kvfleet_common.tracing import start_request_span
+from kvfleet_common.server_kit.http import ApiError, client_request_id
+from kvfleet_common.server_kit.request_limits import TextBound, clip, context_problem, encode_off_loop
+from kvfleet_common.server_kit.tracing import start_request_span
 from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbortedError
 from kvfleet_engine.core_client import EngineDeadError
 from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -141,7 +141,7 @@ class OpenAIServing:
         if problem is not None:
             raise ApiError(400, problem[0], param=problem[1], code="context_length_exceeded")
         try:
-            self.engine.input_processor.process("validate", prompt.token_ids, params)
+            self.engine.input_processor.validate(prompt.token_ids, params)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt", code="invalid_prompt") from None
 

@@ -8,7 +8,7 @@ rebuilt from scratch each step: a decode step touches one token per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
-    min_tokens_stop_ids: set[int] = field(default_factory=set)
+    min_tokens_stop_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -240,12 +240,11 @@ def new_request_state(
     sampling_params: SamplingParams,
     block_ids: list[int],
     num_computed_tokens: int,
-    eos_token_ids: frozenset[int],
+    stop_token_ids: frozenset[int],
     device,
 ) -> CachedRequestState:
     sp = sampling_params
     gen = make_generator(sp.seed, device) if sp.seed is not None and sp.temperature > 0 else None
-    stop_ids = set(sp.all_stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
     return CachedRequestState(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
@@ -254,5 +253,5 @@ def new_request_state(
         block_ids=list(block_ids),
         num_computed_tokens=num_computed_tokens,
         generator=gen,
-        min_tokens_stop_ids=stop_ids,
+        min_tokens_stop_ids=stop_token_ids,
     )

@@ -219,7 +219,7 @@ class ModelRunner:
         for r in sched.scheduled_new_reqs:
             state = new_request_state(
                 r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params, r.block_ids,
-                r.num_computed_tokens, self.config.model.eos_token_ids, self.device,
+                r.num_computed_tokens, r.stop_token_ids, self.device,
             )  # fmt: skip
             self.requests[r.req_id] = state
             batch.add_request(state)

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from kvfleet_common.gc_heap import freeze_long_lived, mark_server_process
+from kvfleet_common.server_kit.gc_heap import freeze_long_lived, mark_server_process
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.executor.shm_broadcast import BroadcastReader, RingHandle
 
