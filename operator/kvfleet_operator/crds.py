@@ -5,13 +5,16 @@ the Helm chart's `crds/` and the operator's own admission-equivalent validation.
 a test keeps them identical to what this module builds.
 
 Every CEL rule (`x-kubernetes-validations`) here has a Python twin in `validation.py`, because clusters
-evaluate CEL but the test emulator and `jsonschema` do not.
+evaluate CEL but the test emulator and `jsonschema` do not. The defaults of the engine settings in
+``spec.engine`` are the engine's (`engine_fields.engine_default`).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from kvfleet_operator.engine_fields import engine_default
 
 GROUP = "kvfleet.io"
 VERSION = "v1alpha1"
@@ -197,6 +200,8 @@ def _conditions_schema() -> dict:
 
 
 def _engine_schema() -> dict:
+    """spec.engine: its engine settings are EngineArgs fields (`engine_fields` maps the names), and their
+    defaults here are the engine's own."""
     return {
         "type": "object",
         "description": "How each replica's `kvfleet engine serve` runs.",
@@ -204,15 +209,28 @@ def _engine_schema() -> dict:
         "properties": {
             "image": _str("Engine container image (defaults to the operator's --engine-image)."),
             "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
-            "tensorParallelSize": _int(1, MAX_ACCELERATORS_PER_POD, 1, description="TP ranks per replica."),
-            "pipelineParallelSize": _int(
-                1, MAX_ACCELERATORS_PER_POD, 1, description="PP stages per replica."
+            "tensorParallelSize": _int(
+                1,
+                MAX_ACCELERATORS_PER_POD,
+                engine_default("tensorParallelSize"),
+                description="TP ranks per replica.",
             ),
-            "dtype": {"type": "string", "enum": list(DTYPES), "default": "auto"},
+            "pipelineParallelSize": _int(
+                1,
+                MAX_ACCELERATORS_PER_POD,
+                engine_default("pipelineParallelSize"),
+                description="PP stages per replica.",
+            ),
+            "dtype": {"type": "string", "enum": list(DTYPES), "default": engine_default("dtype")},
             "maxModelLen": _int(1, description="Longest prompt + output in tokens (default: the model's)."),
             "maxNumSeqs": _int(1, 65536, description="Most sequences in one scheduler step."),
             "maxNumBatchedTokens": _int(1, description="Token budget of one scheduler step."),
-            "blockSize": _int(1, 256, 16, description="Tokens per KV-cache block (the prefix-cache unit)."),
+            "blockSize": _int(
+                1,
+                256,
+                engine_default("blockSize"),
+                description="Tokens per KV-cache block (the prefix-cache unit).",
+            ),
             "kvCacheMemory": _byte_quantity(
                 "KV-cache size: a positive quantity (e.g. 8Gi) or a number of bytes; excludes "
                 "gpuMemoryUtilization."
@@ -224,10 +242,10 @@ def _engine_schema() -> dict:
                 "minimum": 0,
                 "maximum": 1,
             },
-            "enablePrefixCaching": {"type": "boolean", "default": True},
+            "enablePrefixCaching": {"type": "boolean", "default": engine_default("enablePrefixCaching")},
             "enforceEager": {
                 "type": "boolean",
-                "default": False,
+                "default": engine_default("enforceEager"),
                 "description": "Run every decode step eagerly, without CUDA graphs (slower; for debugging).",
             },
             "seed": _int(0, description="Sampling seed of the engine."),

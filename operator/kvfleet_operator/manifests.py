@@ -22,6 +22,7 @@ import json
 import math
 from typing import Any
 
+from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_operator import crds
 from kvfleet_operator.spec import ENGINE_PORT, MODEL_MOUNT, ModelSpec, OperatorConfig
 
@@ -99,51 +100,22 @@ def engine_image(model: ModelSpec, config: OperatorConfig) -> str:
 
 
 def engine_args(model: ModelSpec) -> list[str]:
-    """`kvfleet engine serve` arguments for one replica. The Redis URL and admin token travel in the
-    environment (from the credentials Secret), never on the command line."""
-    e = model.engine
-    args = [
-        "--model",
-        model.source.model_dir,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--served-model-name",
-        model.served_name,
-        "--dtype",
-        e.dtype,
-        "--device",
-        "cuda" if model.accelerator == "nvidia" else "cpu",
-        "--block-size",
-        str(e.block_size),
-        "--tensor-parallel-size",
-        str(e.tensor_parallel_size),
-        "--pipeline-parallel-size",
-        str(e.pipeline_parallel_size),
+    """`kvfleet engine serve` arguments for one replica: the engine settings the spec has (an absent one is
+    left to the engine's default), spelled by the engine's own ``EngineArgs``, then the server's flags and
+    ``spec.engine.extraArgs``. The Redis URL and admin token travel in the environment (from the credentials
+    Secret), never on the command line."""
+    settings = {
+        "model": model.source.model_dir,
+        "device": "cuda" if model.accelerator == "nvidia" else "cpu",
         # tenants' priorities (forwarded by the gateway) only order work under the priority policy
-        "--scheduling-policy",
-        "priority",
-    ]
-    optional = [
-        ("--max-num-seqs", e.max_num_seqs),
-        ("--max-num-batched-tokens", e.max_num_batched_tokens),
-        ("--max-model-len", e.max_model_len),
-        ("--kv-cache-memory-bytes", e.kv_cache_memory_bytes),
-        ("--gpu-memory-utilization", e.gpu_memory_utilization),
-        ("--seed", e.seed),
-    ]
-    for flag, value in optional:
-        if value is not None:
-            args += [flag, str(value)]
-    if not e.enable_prefix_caching:
-        args.append("--no-enable-prefix-caching")
-    if e.enforce_eager:
-        args.append("--enforce-eager")
+        "scheduling_policy": "priority",
+        **model.engine.settings,
+    }
+    server = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", model.served_name]
     # On SIGTERM the engine lets in-flight requests finish for this long; keep it inside the pod's grace
     # period so the kubelet's SIGKILL never cuts a drain short.
-    args += ["--shutdown-timeout", str(shutdown_timeout(model))]
-    return args + list(e.extra_args)
+    server += ["--shutdown-timeout", str(shutdown_timeout(model))]
+    return [*EngineArgs.cli_args(settings), *server, *model.engine.extra_args]
 
 
 def shutdown_timeout(model: ModelSpec) -> int:
@@ -194,7 +166,7 @@ def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]
 
 
 def _otel_env(model: ModelSpec, config: OperatorConfig, taken: set[str]) -> list[dict[str, Any]]:
-    """Where the engine exports its spans (``kvfleet_common.tracing`` reads the standard ``OTEL_*``
+    """Where the engine exports its spans (``kvfleet_common.server_kit.tracing`` reads the standard ``OTEL_*``
     variables), when the operator was given an OTLP endpoint.
 
     A variable the model's own ``spec.engine.env`` sets is left to it (a model may export elsewhere), which

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import kopf
 
-from kvfleet_operator.handlers import RuntimeOptions, build_registry, new_memo
+from kvfleet_operator.handlers import kopf_registry
+from kvfleet_operator.handlers.context import RuntimeOptions, operator_memo
 from kvfleet_operator.spec import OperatorConfig
 
 FINALIZER = "kvfleet.io/finalizer"
@@ -61,9 +62,9 @@ async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: obje
     settings = operator_settings(peering=args.peering, priority=args.priority, clusterwide=clusterwide)
     options = dataclasses.replace(args.options, peering=args.peering, peering_namespaces=args.namespaces)
     await kopf.operator(
-        registry=build_registry(options),
+        registry=kopf_registry(options),
         settings=settings,
-        memo=new_memo(args.config, options),
+        memo=operator_memo(args.config, options),
         clusterwide=clusterwide,
         namespaces=list(args.namespaces),
         standalone=args.peering is None,

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvfleet_operator.engine_fields import ENGINE_FIELDS
 from kvfleet_operator.validation import (
     SpecError,
     inference_model_name_errors,
@@ -67,26 +68,33 @@ def parse_model_uri(uri: str) -> ModelSource:
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
+    """``spec.engine``. ``settings``: EngineArgs field -> value of every engine setting the defaulted spec
+    has (`engine_fields.ENGINE_FIELDS` maps the names; kvCacheMemory is in bytes); an absent one is left to
+    the engine's default. Invariant: the CRD defaults tensorParallelSize, pipelineParallelSize, dtype and
+    blockSize, so those are always there."""
+
     image: str | None
     image_pull_policy: str | None
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    dtype: str
-    max_model_len: int | None
-    max_num_seqs: int | None
-    max_num_batched_tokens: int | None
-    block_size: int
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float | None
-    enable_prefix_caching: bool
-    enforce_eager: bool
-    seed: int | None
+    settings: dict[str, Any]
     extra_args: tuple[str, ...]
     env: tuple[dict[str, Any], ...]
 
     @property
     def accelerators_per_pod(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.settings["tensor_parallel_size"] * self.settings["pipeline_parallel_size"]
+
+    @property
+    def block_size(self) -> int:
+        return self.settings["block_size"]
+
+
+def engine_settings(engine: dict[str, Any]) -> dict[str, Any]:
+    """EngineArgs field -> value of each engine setting a validated, defaulted ``spec.engine`` has."""
+    return {
+        f.arg: parse_bytes(engine[f.crd]) if f.bytes_quantity else engine[f.crd]
+        for f in ENGINE_FIELDS
+        if f.crd in engine
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,18 +147,7 @@ def model_spec_from(obj: dict) -> ModelSpec:
         engine=EngineSpec(
             image=engine.get("image"),
             image_pull_policy=engine.get("imagePullPolicy"),
-            tensor_parallel_size=engine["tensorParallelSize"],
-            pipeline_parallel_size=engine["pipelineParallelSize"],
-            dtype=engine["dtype"],
-            max_model_len=engine.get("maxModelLen"),
-            max_num_seqs=engine.get("maxNumSeqs"),
-            max_num_batched_tokens=engine.get("maxNumBatchedTokens"),
-            block_size=engine["blockSize"],
-            kv_cache_memory_bytes=parse_bytes(engine["kvCacheMemory"]) if "kvCacheMemory" in engine else None,
-            gpu_memory_utilization=engine.get("gpuMemoryUtilization"),
-            enable_prefix_caching=engine["enablePrefixCaching"],
-            enforce_eager=engine.get("enforceEager", False),
-            seed=engine.get("seed"),
+            settings=engine_settings(engine),
             extra_args=tuple(engine.get("extraArgs", ())),
             env=tuple(engine.get("env", ())),
         ),

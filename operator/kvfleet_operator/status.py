@@ -273,6 +273,13 @@ def newly_true(
     return None
 
 
+def status_changed(previous: dict[str, Any] | None, status: dict[str, Any]) -> bool:
+    """Whether writing ``status`` would change any of its fields (a refresh that observed nothing new is
+    not written, so it does not wake every watcher of the object)."""
+    previous = previous or {}
+    return any(previous.get(k) != v for k, v in status.items())
+
+
 def replicas_to_sleep(
     *,
     idle_seconds: int,

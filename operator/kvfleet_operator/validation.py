@@ -17,6 +17,7 @@ from typing import Any
 import jsonschema
 
 from kvfleet_operator import crds
+from kvfleet_operator.engine_fields import crd_name
 
 
 class SpecError(ValueError):
@@ -131,26 +132,28 @@ def inference_model_rule_errors(spec: dict) -> list[str]:
     """The CEL rules of InferenceModel plus checks no schema can express, on a defaulted spec."""
     errors: list[str] = []
     engine = spec.get("engine", {})
-    if "kvCacheMemory" in engine and "gpuMemoryUtilization" in engine:
-        errors.append("spec.engine: kvCacheMemory and gpuMemoryUtilization are mutually exclusive")
-    tp, pp = engine.get("tensorParallelSize", 1), engine.get("pipelineParallelSize", 1)
+    kv_memory, gpu_share = crd_name("kv_cache_memory_bytes"), crd_name("gpu_memory_utilization")
+    tp_name, pp_name = crd_name("tensor_parallel_size"), crd_name("pipeline_parallel_size")
+    seqs_name, tokens_name = crd_name("max_num_seqs"), crd_name("max_num_batched_tokens")
+    if kv_memory in engine and gpu_share in engine:
+        errors.append(f"spec.engine: {kv_memory} and {gpu_share} are mutually exclusive")
+    # The CRD defaults both sizes, so a defaulted spec has them.
+    tp, pp = engine.get(tp_name), engine.get(pp_name)
     if isinstance(tp, int) and isinstance(pp, int) and tp * pp > crds.MAX_ACCELERATORS_PER_POD:
         errors.append(
-            f"spec.engine: tensorParallelSize × pipelineParallelSize must be at most "
+            f"spec.engine: {tp_name} × {pp_name} must be at most "
             f"{crds.MAX_ACCELERATORS_PER_POD} accelerators per pod (got {tp} × {pp} = {tp * pp})"
         )
-    seqs, tokens = engine.get("maxNumSeqs"), engine.get("maxNumBatchedTokens")
+    seqs, tokens = engine.get(seqs_name), engine.get(tokens_name)
     if isinstance(seqs, int) and isinstance(tokens, int) and tokens < seqs:
-        errors.append(f"spec.engine: maxNumBatchedTokens must be at least maxNumSeqs (got {tokens} < {seqs})")
-    if spec.get("accelerator") == "cpu" and "gpuMemoryUtilization" in engine:
-        errors.append(
-            "spec: gpuMemoryUtilization needs accelerator nvidia; size the cache with kvCacheMemory on cpu"
-        )
-    if "kvCacheMemory" in engine:
+        errors.append(f"spec.engine: {tokens_name} must be at least {seqs_name} (got {tokens} < {seqs})")
+    if spec.get("accelerator") == "cpu" and gpu_share in engine:
+        errors.append(f"spec: {gpu_share} needs accelerator nvidia; size the cache with {kv_memory} on cpu")
+    if kv_memory in engine:
         try:
-            parse_bytes(engine["kvCacheMemory"])
+            parse_bytes(engine[kv_memory])
         except SpecError as e:
-            errors.append(f"spec.engine.kvCacheMemory: {e}")
+            errors.append(f"spec.engine.{kv_memory}: {e}")
     for i, arg in enumerate(engine.get("extraArgs", [])):
         if sets_managed_flag(arg):
             errors.append(f"spec.engine.extraArgs[{i}]: {arg!r}: {crds.EXTRA_ARGS_MESSAGE}")

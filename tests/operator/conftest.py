@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import redis
-from kube_emulator import KubeEmulator
-from op_harness import add_peering, operator_args
-from redis_server import RedisServer
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_devkit.kube_emulator import KubeEmulator
+from kvfleet_devkit.redis_server import RedisServer
 from kvfleet_operator.runner import OperatorThread
+from tests.operator.op_harness import add_peering, operator_args
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +46,12 @@ def redis_url(module_redis: RedisServer) -> str:
 
 
 @pytest.fixture(scope="module")
-def registry(redis_url: str) -> Iterator[Registry]:
-    reg = Registry(redis.Redis.from_url(redis_url))
+def store(redis_url: str) -> Iterator[FleetStore]:
+    store = FleetStore(redis.Redis.from_url(redis_url))
     try:
-        yield reg
+        yield store
     finally:
-        reg.close()
+        store.close()
 
 
 @pytest.fixture(scope="module")

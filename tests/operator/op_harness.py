@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube_emulator import KubeEmulator
-
-from kvfleet_operator.handlers import RuntimeOptions
+from kvfleet_devkit.kube_emulator import KubeEmulator
+from kvfleet_operator.handlers.context import RuntimeOptions
 from kvfleet_operator.runner import RunArgs
 from kvfleet_operator.spec import OperatorConfig
 

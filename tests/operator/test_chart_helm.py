@@ -14,7 +14,12 @@ import textwrap
 import kubernetes_validate
 import pytest
 import yaml
-from helm_chart import (
+
+from kvfleet_operator import crds, manifests
+from kvfleet_operator.operator_cli import config_from, run_parser
+from kvfleet_operator.spec import model_spec_from
+from kvfleet_operator.validation import schema_errors, validated_inference_model, validated_tenant
+from tests.operator.helm_chart import (
     CHART,
     NAMESPACE,
     RELEASE,
@@ -26,11 +31,6 @@ from helm_chart import (
     render,
     values_file,
 )
-
-from kvfleet_operator import crds, manifests
-from kvfleet_operator.operator_cli import config_from, run_parser
-from kvfleet_operator.spec import model_spec_from
-from kvfleet_operator.validation import schema_errors, validated_inference_model, validated_tenant
 
 K8S_VERSIONS = ("1.30", "1.33")
 # Kinds no Kubernetes release defines: checked against their own CRDs (kopf.dev) or not at all

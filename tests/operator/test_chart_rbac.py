@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 
 import pytest
-from cel_eval import evaluate
-from helm_chart import NAMESPACE, ROOT, VALUE_SETS, by_kind, operator_args, render
+
+from tests.operator.cel_eval import evaluate
+from tests.operator.helm_chart import NAMESPACE, ROOT, VALUE_SETS, by_kind, operator_args, render
 
 OPERATOR_SA = (NAMESPACE, "kvfleet-operator")
 CLUSTER = "cluster"  # a cluster-scoped resource
@@ -26,7 +27,7 @@ NAMESPACED_WRITES = [
 # Every API call the operator (kvfleet_operator and kopf) makes: (verbs, group, resource, where).
 CALLS_ON_CLUSTER = [
     ("get list watch patch", "kvfleet.io", "tenants"),  # kopf watches, adds finalizers and progress
-    ("patch", "kvfleet.io", "tenants/status"),  # handlers.write_tenant_status
+    ("patch", "kvfleet.io", "tenants/status"),  # handlers.tenants.write_tenant_status
     ("list watch", "apiextensions.k8s.io", "customresourcedefinitions"),  # kopf: resource discovery
     ("list watch", "", "namespaces"),  # kopf: which watched namespaces exist
 ]

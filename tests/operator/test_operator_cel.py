@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cel_eval import evaluate, program, rule_failures, rules_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +26,7 @@ from kvfleet_operator.validation import (
     sets_managed_flag,
     validated_tenant,
 )
+from tests.operator.cel_eval import evaluate, program, rule_failures, rules_of
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 MODEL_SCHEMA = crds.inference_model_schema()
@@ -146,7 +146,10 @@ def test_kv_cache_memory_must_be_a_positive_byte_count(value):
 @pytest.mark.parametrize("value, expected", list(ACCEPTED_BYTES.items()), ids=repr)
 def test_kv_cache_memory_accepted_forms(value, expected):
     assert kv_cache_errors(value) == []
-    assert model_spec_from(model(engine={"kvCacheMemory": value})).engine.kv_cache_memory_bytes == expected
+    assert (
+        model_spec_from(model(engine={"kvCacheMemory": value})).engine.settings["kv_cache_memory_bytes"]
+        == expected
+    )
 
 
 @settings(max_examples=300, deadline=None)

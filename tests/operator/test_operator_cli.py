@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from kvfleet_common.cli import main as kvfleet
+from kvfleet_cli.main import main as kvfleet
 from kvfleet_operator.operator_cli import crd_files
 
 ROOT = Path(__file__).resolve().parents[2]

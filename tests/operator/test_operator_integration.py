@@ -11,11 +11,11 @@ import json
 import time
 
 import pytest
-from kube_emulator import KubeEmulator, eventually
-from op_harness import ADMIN_TOKEN
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.schemas import Heartbeat
+from kvfleet_devkit.kube_emulator import KubeEmulator, eventually
+from tests.operator.op_harness import ADMIN_TOKEN
 
 pytestmark = pytest.mark.usefixtures("operator", "delete_models_afterwards")
 
@@ -94,7 +94,7 @@ def play_deployment_controller(
     kube.patch(child(DEPLOYMENTS, name) + "/status", {"status": status})
 
 
-def test_create_renders_owned_objects_and_registers_the_model(kube: KubeEmulator, registry: Registry):
+def test_create_renders_owned_objects_and_registers_the_model(kube: KubeEmulator, store: FleetStore):
     created = create_model(
         kube,
         "llama",
@@ -138,7 +138,7 @@ def test_create_renders_owned_objects_and_registers_the_model(kube: KubeEmulator
     (peer,) = policy["spec"]["ingress"][0]["from"]
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kvfleet-system"}
 
-    config = eventually(lambda: registry.get_model_config("meta/llama-8b"))
+    config = eventually(lambda: store.get_model_policy("meta/llama-8b"))
     assert config.routing_policy == "least-load" and config.allowed_tenants == ["team-a"]
 
     status = eventually(lambda: status_of(kube, "llama").get("servedName") and status_of(kube, "llama"))
@@ -282,18 +282,18 @@ def test_bad_specs_are_rejected_with_clear_messages(kube: KubeEmulator, name, sp
     assert kube.get(child(DEPLOYMENTS, name)) is None
 
 
-def test_delete_removes_owned_objects_and_purges_redis(kube: KubeEmulator, registry: Registry):
+def test_delete_removes_owned_objects_and_purges_redis(kube: KubeEmulator, store: FleetStore):
     create_model(kube, "doomed", model={"uri": "pvc://models/doomed", "servedName": "doomed-model"})
     eventually(lambda: kube.get(child(DEPLOYMENTS, "doomed")))
-    eventually(lambda: registry.get_model_config("doomed-model"))
-    registry.touch_activity("doomed-model")
+    eventually(lambda: store.get_model_policy("doomed-model"))
+    store.touch_activity("doomed-model")
     assert eventually(lambda: kube.get(model_path("doomed"))["metadata"].get("finalizers"))
 
     kube.delete(model_path("doomed"))
     eventually(lambda: kube.get(model_path("doomed")) is None)  # finalizer released
-    assert registry.get_model_config("doomed-model") is None
-    assert registry.last_activity("doomed-model") is None
-    assert "doomed-model" not in registry.list_models()
+    assert store.get_model_policy("doomed-model") is None
+    assert store.last_activity("doomed-model") is None
+    assert "doomed-model" not in store.list_models()
     for path in (
         child(DEPLOYMENTS, "doomed"),
         child(SERVICES, "doomed"),
@@ -305,11 +305,11 @@ def test_delete_removes_owned_objects_and_purges_redis(kube: KubeEmulator, regis
         assert kube.get(path) is None, path
 
 
-def test_delete_purges_redis_only_once_the_pods_are_gone(kube: KubeEmulator, registry: Registry):
+def test_delete_purges_redis_only_once_the_pods_are_gone(kube: KubeEmulator, store: FleetStore):
     # A replica still running after a purge would re-publish the model's tokenizer (no TTL) into Redis.
     create_model(kube, "draining", model={"uri": "pvc://models/draining", "servedName": "draining"})
     eventually(lambda: kube.get(child(DEPLOYMENTS, "draining")))
-    eventually(lambda: registry.get_model_config("draining"))
+    eventually(lambda: store.get_model_policy("draining"))
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -325,10 +325,10 @@ def test_delete_purges_redis_only_once_the_pods_are_gone(kube: KubeEmulator, reg
     eventually(lambda: kube.get(child(DEPLOYMENTS, "draining")) is None)  # the delete handler runs...
     # ...but holds the finalizer while the pod stops.
     assert kube.get(model_path("draining"))["metadata"]["deletionTimestamp"]
-    assert registry.get_model_config("draining") is not None
+    assert store.get_model_policy("draining") is not None
     kube.delete(f"{PODS}/draining-5c9f-abcde")
     eventually(lambda: kube.get(model_path("draining")) is None, timeout=30)
-    assert registry.get_model_config("draining") is None
+    assert store.get_model_policy("draining") is None
 
 
 def _secret(name: str, key: str) -> dict:
@@ -346,7 +346,7 @@ def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def test_tenant_lifecycle_in_redis(kube: KubeEmulator, registry: Registry):
+def test_tenant_lifecycle_in_redis(kube: KubeEmulator, store: FleetStore):
     secrets = "/api/v1/namespaces/kvfleet-system/secrets"
     kube.post(secrets, _secret("acme-key", "sk-acme-1"))
     kube.post(
@@ -364,29 +364,29 @@ def test_tenant_lifecycle_in_redis(kube: KubeEmulator, registry: Registry):
             },
         },
     )
-    record = eventually(lambda: registry.tenant_for_key_hash(_sha("sk-acme-1")))
+    record = eventually(lambda: store.tenant_for_key_hash(_sha("sk-acme-1")))
     assert record.name == "acme" and record.models == ["meta/*"]
     assert (
         record.requests_per_minute == 60 and record.max_concurrent == 4 and record.tokens_per_minute is None
     )
     assert record.priority == 5 and record.cache_salt == "acme"
     # Only the hash reaches Redis, never the key itself.
-    raw = b"".join(registry.client.dump(k) or b"" for k in registry.client.keys("*"))
+    raw = b"".join(store.client.dump(k) or b"" for k in store.client.keys("*"))
     assert b"sk-acme-1" not in raw
     eventually(lambda: (kube.get(f"{TENANTS}/acme") or {}).get("status", {}).get("phase") == "Active")
 
     kube.patch(f"{TENANTS}/acme", {"spec": {"limits": {"requestsPerMinute": 120}}})
-    eventually(lambda: registry.get_tenant("acme").requests_per_minute == 120)
+    eventually(lambda: store.get_tenant("acme").requests_per_minute == 120)
 
     # Rotating the key in the Secret: the periodic resync replaces the old hash with the new one.
     kube.patch(f"{secrets}/acme-key", {"data": _secret("acme-key", "sk-acme-2")["data"]})
-    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-acme-2")), timeout=20)
-    assert registry.tenant_for_key_hash(_sha("sk-acme-1")) is None
+    eventually(lambda: store.tenant_for_key_hash(_sha("sk-acme-2")), timeout=20)
+    assert store.tenant_for_key_hash(_sha("sk-acme-1")) is None
 
     kube.delete(f"{TENANTS}/acme")
     eventually(lambda: kube.get(f"{TENANTS}/acme") is None)
-    assert registry.get_tenant("acme") is None
-    assert registry.tenant_for_key_hash(_sha("sk-acme-2")) is None
+    assert store.get_tenant("acme") is None
+    assert store.tenant_for_key_hash(_sha("sk-acme-2")) is None
 
 
 def post_tenant(kube: KubeEmulator, name: str, secret: str) -> None:
@@ -401,19 +401,19 @@ def first_tenant_status(kube: KubeEmulator, name: str) -> dict:
     )
 
 
-def test_tenant_with_a_missing_secret_fails_then_recovers(kube: KubeEmulator, registry: Registry):
+def test_tenant_with_a_missing_secret_fails_then_recovers(kube: KubeEmulator, store: FleetStore):
     post_tenant(kube, "late", "late-key")
     status = first_tenant_status(kube, "late")
     assert status["phase"] == "Failed" and status["conditions"][0]["reason"] == "SecretNotFound"
     assert "kvfleet-system/late-key" in status["conditions"][0]["message"]
     eventually(lambda: [e for e in kube.events_for("late") if e["reason"] == "SecretNotFound"])
     kube.post("/api/v1/namespaces/kvfleet-system/secrets", _secret("late-key", "sk-late"))
-    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-late")), timeout=20)
+    eventually(lambda: store.tenant_for_key_hash(_sha("sk-late")), timeout=20)
     eventually(lambda: kube.get(f"{TENANTS}/late")["status"]["phase"] == "Active")
 
 
 def test_tenant_whose_secret_the_operator_may_not_read_fails_without_hot_retries(
-    kube: KubeEmulator, registry: Registry, caplog
+    kube: KubeEmulator, store: FleetStore, caplog
 ):
     """A 403 on the key Secret: status Failed with reason SecretForbidden and a Warning Event; the reconcile
     handler fails for good instead of retrying, and only the periodic resync looks again, which picks the
@@ -440,16 +440,16 @@ def test_tenant_whose_secret_the_operator_may_not_read_fails_without_hot_retries
             "reconcile_tenant" in r.getMessage() and "failed temporarily" in r.getMessage()
             for r in caplog.records
         )
-        assert registry.tenant_for_key_hash(_sha("sk-locked")) is None
+        assert store.tenant_for_key_hash(_sha("sk-locked")) is None
     finally:
         kube.forbid_secrets("kvfleet-system", False)
-    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-locked")), timeout=20)
+    eventually(lambda: store.tenant_for_key_hash(_sha("sk-locked")), timeout=20)
     eventually(lambda: kube.get(f"{TENANTS}/locked")["status"]["phase"] == "Active")
     kube.delete(f"{TENANTS}/locked")
     eventually(lambda: kube.get(f"{TENANTS}/locked") is None)
 
 
-def _heartbeat(registry: Registry, *, name: str, model: str, base_url: str, state: str) -> Heartbeat:
+def _heartbeat(store: FleetStore, *, name: str, model: str, base_url: str, state: str) -> Heartbeat:
     now = time.time()
     hb = Heartbeat(
         replica_id=f"{name}#{int(now * 1000)}",
@@ -462,13 +462,13 @@ def _heartbeat(registry: Registry, *, name: str, model: str, base_url: str, stat
         started_at=now,
         updated_at=now,
     )
-    registry.claim_name(name, hb.replica_id)
-    registry.publish_heartbeat(hb, ttl=30)
+    store.claim_name(name, hb.replica_id)
+    store.publish_heartbeat(hb, ttl=30)
     return hb
 
 
 def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
-    kube: KubeEmulator, registry: Registry, admin_recorder
+    kube: KubeEmulator, store: FleetStore, admin_recorder
 ):
     create_model(
         kube,
@@ -478,8 +478,8 @@ def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
     )
     eventually(lambda: kube.get(child(DEPLOYMENTS, "sleepy")))
     play_deployment_controller(kube, "sleepy", ready=1)
-    hb = _heartbeat(registry, name="sleepy-0", model="sleepy", base_url=admin_recorder.url, state="awake")
-    registry.touch_activity("sleepy", now=time.time() - 3600)
+    hb = _heartbeat(store, name="sleepy-0", model="sleepy", base_url=admin_recorder.url, state="awake")
+    store.touch_activity("sleepy", now=time.time() - 3600)
 
     calls = eventually(lambda: admin_recorder.calls, timeout=20)
     assert calls[0]["path"] == "/sleep?level=2"
@@ -487,7 +487,7 @@ def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
     eventually(lambda: [e for e in kube.events_for("sleepy") if e["reason"] == "IdleSleep"])
 
     # The engine reports the new state in its heartbeat; the status follows.
-    registry.publish_heartbeat(
+    store.publish_heartbeat(
         Heartbeat(**{**{f: getattr(hb, f) for f in hb.__struct_fields__}, "state": "sleeping"}), ttl=30
     )
     status = eventually(lambda: (s := status_of(kube, "sleepy")).get("phase") == "Sleeping" and s, timeout=5)
@@ -496,18 +496,18 @@ def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
     assert status["lastActivity"].endswith("Z")
 
 
-def test_busy_or_recently_used_models_stay_awake(kube: KubeEmulator, registry: Registry, admin_recorder):
+def test_busy_or_recently_used_models_stay_awake(kube: KubeEmulator, store: FleetStore, admin_recorder):
     create_model(kube, "busy", sleep={"idleSeconds": 1}, model={"uri": "pvc://m/b", "servedName": "busy"})
     create_model(
         kube, "fresh", sleep={"idleSeconds": 3600}, model={"uri": "pvc://m/f", "servedName": "fresh"}
     )
     eventually(lambda: kube.get(child(DEPLOYMENTS, "busy")) and kube.get(child(DEPLOYMENTS, "fresh")))
-    hb = _heartbeat(registry, name="busy-0", model="busy", base_url=admin_recorder.url, state="awake")
-    registry.publish_heartbeat(
+    hb = _heartbeat(store, name="busy-0", model="busy", base_url=admin_recorder.url, state="awake")
+    store.publish_heartbeat(
         Heartbeat(**{**{f: getattr(hb, f) for f in hb.__struct_fields__}, "running": 3}), ttl=30
     )
-    _heartbeat(registry, name="fresh-0", model="fresh", base_url=admin_recorder.url, state="awake")
-    registry.touch_activity("busy", now=time.time() - 3600)
+    _heartbeat(store, name="fresh-0", model="fresh", base_url=admin_recorder.url, state="awake")
+    store.touch_activity("busy", now=time.time() - 3600)
     # Two idle checks (2 s apart) pass without a sleep call.
     eventually(lambda: status_of(kube, "busy").get("awakeReplicas") == 1)
     time.sleep(4.5)
@@ -522,7 +522,7 @@ def test_config_map_holds_the_resolved_model(kube: KubeEmulator):
     assert doc["service"] == "documented.default.svc"
 
 
-def test_a_redis_that_lost_its_data_is_repaired(kube: KubeEmulator, registry: Registry, module_redis):
+def test_a_redis_that_lost_its_data_is_repaired(kube: KubeEmulator, store: FleetStore, module_redis):
     create_model(kube, "durable", model={"uri": "pvc://m/d", "servedName": "durable"})
     kube.post("/api/v1/namespaces/kvfleet-system/secrets", _secret("durable-key", "sk-durable"))
     kube.post(
@@ -535,11 +535,11 @@ def test_a_redis_that_lost_its_data_is_repaired(kube: KubeEmulator, registry: Re
         },
     )
     eventually(
-        lambda: registry.get_model_config("durable") and registry.tenant_for_key_hash(_sha("sk-durable"))
+        lambda: store.get_model_policy("durable") and store.tenant_for_key_hash(_sha("sk-durable"))
     )
     module_redis.restart()  # same port, empty: a Redis without persistence after a restart
     # The timers re-assert the model config (every 2 s here) and re-sync the tenant (every 1 s here).
-    eventually(lambda: registry.get_model_config("durable"), timeout=20)
-    eventually(lambda: registry.tenant_for_key_hash(_sha("sk-durable")), timeout=20)
+    eventually(lambda: store.get_model_policy("durable"), timeout=20)
+    eventually(lambda: store.tenant_for_key_hash(_sha("sk-durable")), timeout=20)
     kube.delete(f"{TENANTS}/durable")
     eventually(lambda: kube.get(f"{TENANTS}/durable") is None)

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kube_emulator import KubeEmulator, eventually
-from op_harness import PEERING, add_peering
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_devkit.kube_emulator import KubeEmulator, eventually
+from tests.operator.op_harness import PEERING, add_peering
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -52,7 +52,7 @@ def operator_process(cluster: KubeEmulator, redis_url: str, tmp_path_factory) ->
         [
             sys.executable,
             "-m",
-            "kvfleet_common.cli",
+            "kvfleet_cli.main",
             "operator",
             f"--server={cluster.url}",
             f"--redis-url={redis_url}",
@@ -79,7 +79,7 @@ def operator_process(cluster: KubeEmulator, redis_url: str, tmp_path_factory) ->
 
 
 def test_kubectl_apply_examples_and_the_operator_reacts(
-    cluster: KubeEmulator, operator_process, registry: Registry
+    cluster: KubeEmulator, operator_process, store: FleetStore
 ):
     kubectl(cluster, "apply", "--validate=false", "-f", str(ROOT / "examples"))
     deployments = "/apis/apps/v1/namespaces/default/deployments"
@@ -90,12 +90,12 @@ def test_kubectl_apply_examples_and_the_operator_reacts(
     assert qwen["containers"][0]["image"] == "registry.test/engine:2"
     assert qwen["priorityClassName"] == "inference-high"
     # The Redis config is written right after the owned objects.
-    config = eventually(lambda: registry.get_model_config("meta-llama/Llama-3.1-8B-Instruct"), timeout=30)
+    config = eventually(lambda: store.get_model_policy("meta-llama/Llama-3.1-8B-Instruct"), timeout=30)
     assert config.allowed_tenants == ["team-a", "team-b"]
 
     # The Secret came in with stringData; the tenant's key is stored only as its SHA-256.
     key_hash = hashlib.sha256(b"sk-team-a-change-me").hexdigest()
-    tenant = eventually(lambda: registry.tenant_for_key_hash(key_hash), timeout=30)
+    tenant = eventually(lambda: store.tenant_for_key_hash(key_hash), timeout=30)
     assert tenant.name == "team-a" and tenant.requests_per_minute == 600
 
     out = kubectl(cluster, "scale", "im/demo-llama", "--replicas=3")
@@ -104,9 +104,9 @@ def test_kubectl_apply_examples_and_the_operator_reacts(
     assert kubectl(cluster, "get", "im", "demo-llama", "-o", "jsonpath={.status.servedName}") == "demo-llama"
 
     kubectl(cluster, "delete", "--timeout=30s", "-f", str(ROOT / "examples" / "tenant.yaml"))
-    assert registry.get_tenant("team-a") is None
+    assert store.get_tenant("team-a") is None
     kubectl(cluster, "delete", "--timeout=30s", "inferencemodel", "llama-8b")
-    assert registry.get_model_config("meta-llama/Llama-3.1-8B-Instruct") is None
+    assert store.get_model_policy("meta-llama/Llama-3.1-8B-Instruct") is None
     assert cluster.get(f"{deployments}/llama-8b") is None
 
     # SIGTERM stops the operator cleanly.

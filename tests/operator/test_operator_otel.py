@@ -2,7 +2,7 @@
 observability option (collector, Jaeger, dashboard) is wired consistently.
 
 The engine side is checked for real: the env the operator renders, resolved as the kubelet would, makes
-``kvfleet_common.tracing`` in a fresh process send its spans over OTLP/HTTP to a local receiver, with resource
+``kvfleet_common.server_kit.tracing`` in a fresh process send its spans over OTLP/HTTP to a local receiver, with resource
 attributes naming the pod. The chart's templates cannot be rendered here (no ``helm``); its static parts are
 checked: values against the schema, the collector configuration, and the names the templates share.
 """
@@ -28,7 +28,7 @@ import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvfleet_common.cli import main as kvfleet
+from kvfleet_cli.main import main as kvfleet
 from kvfleet_operator import manifests
 from kvfleet_operator.operator_cli import _config_args
 from kvfleet_operator.spec import OperatorConfig, model_spec_from
@@ -169,7 +169,7 @@ def kubelet_env(container: dict, fields: dict[str, str]) -> dict[str, str]:
 
 
 _EMIT_SPAN = """
-from kvfleet_common.tracing import setup_tracing, shutdown_tracing
+from kvfleet_common.server_kit.tracing import setup_tracing, shutdown_tracing
 from opentelemetry import trace
 setup_tracing("kvfleet-engine")
 with trace.get_tracer("kvfleet.engine").start_as_current_span("engine chat"):

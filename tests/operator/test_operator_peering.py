@@ -11,26 +11,26 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from kube_emulator import KubeEmulator, eventually
-from op_harness import PEERING, add_peering, operator_args
-from redis_server import RedisServer
 
-from kvfleet_common.registry import Registry
+from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_devkit.kube_emulator import KubeEmulator, eventually
+from kvfleet_devkit.redis_server import RedisServer
 from kvfleet_operator.runner import OperatorThread
+from tests.operator.op_harness import PEERING, add_peering, operator_args
 
 PEERING_PATH = f"/apis/kopf.dev/v1/clusterkopfpeerings/{PEERING}"
 
 
 @pytest.fixture
-def two_redis() -> Iterator[tuple[Registry, Registry, str, str]]:
+def two_redis() -> Iterator[tuple[FleetStore, FleetStore, str, str]]:
     servers = [RedisServer(), RedisServer()]
     for s in servers:
         s.start()
-    registries = [Registry(redis.Redis.from_url(s.url)) for s in servers]
+    stores = [FleetStore(redis.Redis.from_url(s.url)) for s in servers]
     try:
-        yield registries[0], registries[1], servers[0].url, servers[1].url
+        yield stores[0], stores[1], servers[0].url, servers[1].url
     finally:
-        for r in registries:
+        for r in stores:
             r.close()
         for s in servers:
             s.close()
@@ -90,11 +90,11 @@ def test_only_the_highest_priority_replica_acts_and_the_standby_takes_over(two_r
 def test_a_missing_peering_object_is_reported_in_the_log_until_it_appears(two_redis, monkeypatch, caplog):
     """Without --standalone and without the peering object (which only the Helm chart creates) the operator
     does nothing: it says so, with the fix, instead of waiting silently; once the object exists it acts."""
-    from kvfleet_operator import handlers
+    from kvfleet_operator.handlers import peering
 
-    monkeypatch.setattr(handlers, "PEERING_CHECK_INTERVAL", 0.2)
+    monkeypatch.setattr(peering, "PEERING_CHECK_INTERVAL", 0.2)
     caplog.set_level(logging.INFO, logger="kvfleet_operator.peering")
-    reg, _, url, _ = two_redis
+    store, _, url, _ = two_redis
     kube = KubeEmulator().start()
     op = None
     try:
@@ -108,13 +108,13 @@ def test_a_missing_peering_object_is_reported_in_the_log_until_it_appears(two_re
         assert "--standalone" in warning and "kubectl apply" in warning
         key = add_tenant(kube, "early", "sk-early")
         time.sleep(1.0)
-        assert reg.tenant_for_key_hash(key) is None  # paused: kopf's peering is mandatory
+        assert store.tenant_for_key_hash(key) is None  # paused: kopf's peering is mandatory
 
         add_peering(kube, "by-hand")
         eventually(
             lambda: any(r.getMessage().startswith("peering object found") for r in caplog.records), timeout=5
         )
-        eventually(lambda: reg.tenant_for_key_hash(key), timeout=20)
+        eventually(lambda: store.tenant_for_key_hash(key), timeout=20)
     finally:
         if op is not None:
             op.stop()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-from helm_chart import VALUE_SETS, pod_templates, render
-from pod_security import RESTRICTED_VOLUMES, containers, restricted_violations
 
 from kvfleet_operator import manifests
 from kvfleet_operator.spec import OperatorConfig, model_spec_from
+from tests.operator.helm_chart import VALUE_SETS, pod_templates, render
+from tests.operator.pod_security import RESTRICTED_VOLUMES, containers, restricted_violations
 
 VARIANTS = {
     "pvc-gpu": {"model": {"uri": "pvc://models/llama"}, "engine": {"tensorParallelSize": 2}},
