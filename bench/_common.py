@@ -398,9 +398,10 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def command_line(script: str, argv: list[str] | None) -> str:
-    """How ``script`` (``bench/NAME.py``) was run, shell-quoted: ``argv``, else this process's arguments."""
-    return shlex.join([".venv/bin/python", script, *(sys.argv[1:] if argv is None else argv)])
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How ``module`` (``bench.NAME``) was run from the repository root, shell-quoted: ``argv``, else this
+    process's arguments."""
+    return shlex.join([".venv/bin/python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def log(msg: str) -> None:

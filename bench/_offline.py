@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import _common as common
+from bench import _common as common
 
 WARMUP_TOKENS = 8
 

@@ -97,7 +97,7 @@ def transformers_command(
     its ``/v1/models`` lists the hub cache and fails when there is none.
     """
     argv = [
-        sys.executable, str(REPO_ROOT / "bench" / "hf_serve_cpu.py"), "serve", str(model_dir),
+        sys.executable, "-m", "bench.hf_serve_cpu", "serve", str(model_dir),  # run in REPO_ROOT (start)
         "--device", "cpu", "--dtype", "float32", "--host", host, "--port", str(port),
         "--log-level", "warning",
         "--continuous-batching" if continuous_batching else "--no-continuous-batching",

@@ -25,20 +25,18 @@ in the same run (before and after; the higher is used) and compute efficiency is
 
 Targets (issue): kvfleet >= 3x HF's best output tokens/s, and >= 50 % compute efficiency.
 
-    .venv/bin/python bench/engine_throughput.py                      # full run (10-20 min on 2 cores)
-    .venv/bin/python bench/engine_throughput.py --num-prompts 16 --skip-hf
+    .venv/bin/python -m bench.engine_throughput                      # full run (10-20 min on 2 cores)
+    .venv/bin/python -m bench.engine_throughput --num-prompts 16 --skip-hf
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
-import _offline as offline
+from bench import _common as common
+from bench import _offline as offline
 
 NAME = "engine_throughput"
 TARGET_SPEEDUP = 3.0

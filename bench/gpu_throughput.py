@@ -23,8 +23,8 @@ Systems, one after another on the same device (each releases its memory before t
 Every system gets an untimed warm-up (2 short requests) first. Targets: kvfleet offline >= 20,000 output
 tok/s, >= 8x HF static batching, and the server >= 0.9x kvfleet offline.
 
-    .venv/bin/python bench/gpu_throughput.py                      # on the GPU machine
-    .venv/bin/python bench/gpu_throughput.py --device cpu --dtype float32 --preset tiny --num-requests 8 \\
+    .venv/bin/python -m bench.gpu_throughput                      # on the GPU machine
+    .venv/bin/python -m bench.gpu_throughput --device cpu --dtype float32 --preset tiny --num-requests 8 \\
         --min-prompt 8 --max-prompt 32 --min-output 4 --max-output 16           # CPU smoke run, seconds
 """
 
@@ -33,16 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
-import _offline as offline
-import _serve_common as sc
-import _servers as servers
+from bench import _common as common
+from bench import _offline as offline
+from bench import _serve_common as sc
+from bench import _servers as servers
 
 NAME = "gpu_throughput"
 TARGET_OFFLINE_TOK_S = 20_000.0
@@ -368,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = common.env_info()
     result: dict[str, Any] = {
         "benchmark": NAME,
-        "command": common.command_line("bench/gpu_throughput.py", argv),
+        "command": common.command_line("bench.gpu_throughput", argv),
         "card": card,
         "device": device,
         "dtype": args.dtype,

@@ -7,7 +7,7 @@ no device map at all (``from_pretrained``'s default, which loads on the CPU), th
 ``transformers`` CLI's own ``main``. Nothing else changes: the server, its continuous batching and its
 request handling are transformers' code. With ``accelerate`` installed the patch is not applied.
 
-    python bench/hf_serve_cpu.py serve MODEL_DIR --device cpu --dtype float32 --continuous-batching ...
+    python -m bench.hf_serve_cpu serve MODEL_DIR --device cpu --dtype float32 --continuous-batching ...
 """
 
 from __future__ import annotations

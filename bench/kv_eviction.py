@@ -21,21 +21,17 @@ Scenarios:
 
 Usage::
 
-    .venv/bin/python bench/kv_eviction.py            # ~30 s
+    .venv/bin/python -m bench.kv_eviction            # ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from collections import deque
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _common as common
+from bench import _common as common
 
 NAME = "kv_eviction"
 # name -> (protected cap, keep-warm at arrival); None: the engine's PROTECTED_FRACTION
@@ -66,6 +62,7 @@ def simulate(args: argparse.Namespace, policy: str, groups: int, scenario: str) 
     """Hit rate on system-prompt tokens (second half only for ``shift``)."""
     import kvfleet_engine.core.block_pool as block_pool
     from kvfleet_engine.core.kv_cache_manager import KVCacheManager
+    from kvfleet_engine.core.messages import EngineCoreRequest
     from kvfleet_engine.request import Request
     from kvfleet_engine.sampling_params import SamplingParams
 
@@ -92,14 +89,15 @@ def simulate(args: argparse.Namespace, policy: str, groups: int, scenario: str) 
     for i in range(args.requests):
         second_half = i >= args.requests // 2
         g = rng.randrange(groups) + (groups if shift and second_half else 0)
-        req = Request(
+        core_request = EngineCoreRequest(
             f"r{i}",
             prompts[g] + tokens(args.private),
             params,
             max_tokens=1,
-            block_size=args.block_size,
-            eos_token_ids=frozenset(),
+            stop_token_ids=frozenset(),
+            arrival_time=float(i),
         )
+        req = Request(core_request, block_size=args.block_size)
         if warm:
             kv.keep_warm(req)
         waiting.append((req, second_half))

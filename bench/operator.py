@@ -4,7 +4,7 @@ The Kubernetes API is KMock's emulator (in this process, over HTTP), Redis a rea
 operator the real `kvfleet operator` command in its own process (kopf, standalone). Baseline measured in the
 same run: one bare API round trip (POST + GET of a ConfigMap), the floor any controller pays twice.
 
-    .venv/bin/python bench/operator.py [--sequential 30] [--burst 50]
+    .venv/bin/python -m bench.operator [--sequential 30] [--burst 50]
 
 Prints a table and writes bench/results/operator.json.
 """
@@ -21,14 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-sys.path.insert(0, str(REPO / "tests"))
-
-from _common import default_out, loadavg, log, print_table, write_json  # noqa: E402
-from kube_emulator import KubeEmulator  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from bench._common import default_out, loadavg, log, print_table, write_json
+from kvfleet_devkit.kube_emulator import KubeEmulator
+from kvfleet_devkit.redis_server import RedisServer
 
 NS = "default"
 MODELS = f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/inferencemodels"
@@ -77,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     kube = KubeEmulator().start()
     log_file = tempfile.NamedTemporaryFile("w", prefix="kvfleet-operator-", suffix=".log", delete=False)  # noqa: SIM115
     operator = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet_common.cli", "operator", f"--server={kube.url}",
+        [sys.executable, "-m", "kvfleet_cli.main", "operator", f"--server={kube.url}",
          f"--redis-url={redis.url}", "--standalone", "--idle-check-seconds=3600", "--resync-seconds=3600"],
         stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -150,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         {
             "benchmark": "operator_reconcile_latency",
-            "command": " ".join(["bench/operator.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": " ".join([".venv/bin/python", "-m", "bench.operator", *(argv if argv is not None else sys.argv[1:])]),
             "python": sys.version.split()[0],
             "cpu_count": os.cpu_count(),
             "loadavg_before": load_before,

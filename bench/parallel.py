@@ -16,8 +16,8 @@ On a machine with fewer cores than ranks x threads, parallelism cannot make anyt
 ranks share the same cores (each rank gets ``cpu_count // ranks`` threads unless ``--threads`` says). The numbers show what the
 communication and the pipeline cost, not a speed-up.
 
-    .venv/bin/python bench/parallel.py                          # small preset: 1x1, 1x1-mp, 2x1, 1x2
-    .venv/bin/python bench/parallel.py --configs 1x1 2x2 --preset tiny
+    .venv/bin/python -m bench.parallel                          # small preset: 1x1, 1x1-mp, 2x1, 1x2
+    .venv/bin/python -m bench.parallel --configs 1x1 2x2 --preset tiny
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
+from bench import _common as common
 
 NAME = "parallel"
 

@@ -13,8 +13,8 @@ time is reported, since the no-share difference is within run-to-run noise. Gree
 outputs with caching on and off are compared token for token (they must agree). Hit rate = sum of
 ``num_cached_tokens`` / sum of prompt tokens.
 
-    .venv/bin/python bench/prefix_cache.py                 # small preset, 3 rounds
-    .venv/bin/python bench/prefix_cache.py --rounds 5 --out /tmp/prefix.json
+    .venv/bin/python -m bench.prefix_cache                 # small preset, 3 rounds
+    .venv/bin/python -m bench.prefix_cache --rounds 5 --out /tmp/prefix.json
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
+from bench import _common as common
 
 NAME = "prefix_cache"
 TARGET_SPEEDUP = 3.0

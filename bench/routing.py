@@ -59,42 +59,35 @@ Targets (issue): (a) prefix-aware mean TTFT >= 3x lower than round-robin and thr
 replica gets more than 1.5x the mean number of requests under prefix-aware; (d) prefix-aware within 5 % of
 least-load (mean TTFT at most 5 % higher, throughput at most 5 % lower).
 
-    .venv/bin/python bench/routing.py                      # all scenarios and policies, ~20 min
-    .venv/bin/python bench/routing.py --scenarios shared-prefix --policies prefix-aware,round-robin
-    .venv/bin/python bench/routing.py --quick              # smoke test: 2 replicas, tiny workloads, ~1 min
+    .venv/bin/python -m bench.routing                      # all scenarios and policies, ~20 min
+    .venv/bin/python -m bench.routing --scenarios shared-prefix --policies prefix-aware,round-robin
+    .venv/bin/python -m bench.routing --quick              # smoke test: 2 replicas, tiny workloads, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import shlex
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from dataclasses import fields as dataclass_fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
-import _fleet as fleet_mod
-import _serve_common as sc
-
-from kvfleet_common.hashing import hash_blocks
+from bench import _common as common
+from bench import _compact_json as compact_json
+from bench import _fleet as fleet_mod
+from bench import _fleet_metrics as fleet_metrics
+from bench import _serve_common as sc
+from bench._routing_requests import MODEL, request_table, run_sessions, warm_up
+from bench._routing_stats import compare, summarize, targets
+from bench._routing_workloads import BLOCK_SIZE, SCENARIOS, Workload, build_workload, calibrate
 
 NAME = "routing"
-MODEL = "sim"
 POLICIES = ("prefix-aware", "least-load", "round-robin")
-SCENARIOS = ("shared-prefix", "multi-turn", "hot-prefix", "no-sharing")
-BLOCK_SIZE = 16  # the engine's default; the gateway reads it from the heartbeats
-TARGET_TTFT_RATIO = 3.0  # (a) round-robin mean TTFT / prefix-aware mean TTFT
-TARGET_THROUGHPUT_RATIO = 1.3  # (a) prefix-aware / round-robin completed requests per second
-TARGET_MAX_LOAD_SHARE = 1.5  # (c) max replica requests / mean
-TARGET_NO_SHARING_TOLERANCE = 0.05  # (d) prefix-aware vs least-load
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -182,221 +175,14 @@ def _subset(p: argparse.ArgumentParser, value: str, allowed: Sequence[str], flag
 
 
 def command_line(argv: list[str] | None) -> str:
-    return shlex.join([".venv/bin/python", "bench/routing.py", *(sys.argv[1:] if argv is None else argv)])
-
-
-# ---- workloads -------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Session:
-    """One user's requests, in order: a single question, or a chat's turns (each sent ``think_s[k]`` after
-    the previous answer ended, quoting the chat so far). ``start``: seconds from the run's start."""
-
-    sid: int
-    start: float
-    system: str
-    messages: list[str]
-    think_s: list[float] = field(default_factory=list)
-    group: int | None = None
-
-
-@dataclass(slots=True)
-class Workload:
-    scenario: str
-    sessions: list[Session]
-    output_len: int
-    info: dict[str, Any]
-
-
-def chat_messages(system: str, users: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
-    """The request's ``messages``: the system prompt, the earlier turns with their answers, the new message."""
-    out = [{"role": "system", "content": system}]
-    for i, u in enumerate(users):
-        out.append({"role": "user", "content": u})
-        if i < len(answers):
-            out.append({"role": "assistant", "content": answers[i]})
-    return out
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat request exactly as the gateway and the engine compute them."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def reuse_profile(prompts: Sequence[list[int]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
-    """Prompt tokens in total, and uncached tokens if every full block were computed once in the whole fleet
-    (the prefix-aware ideal), processing the prompts in order. A hit never covers a prompt's last token."""
-    seen: set[bytes] = set()
-    total = uncached = 0
-    for ids in prompts:
-        hashes = hash_blocks(ids, block_size)
-        matched = 0
-        for h in hashes[: (len(ids) - 1) // block_size]:
-            if h not in seen:
-                break
-            matched += 1
-        total += len(ids)
-        uncached += len(ids) - matched * block_size
-        seen.update(hashes)
-    n = max(1, len(prompts))
-    return {
-        "requests": len(prompts),
-        "prompt_tokens_mean": total / n,
-        "uncached_tokens_mean_ideal": uncached / n,
-    }
-
-
-def build_workload(scenario: str, args: argparse.Namespace, tokenizer: Any, words: list[str]) -> Workload:
-    """Sessions (without start times) and the token profile the arrival rate is calibrated from."""
-    seed = args.seed * 1000 + SCENARIOS.index(scenario)
-    rng = random.Random(seed)
-
-    def texts(count: int, length: int, salt: int) -> list[str]:
-        return sc.make_prompts(tokenizer, count, length, seed=seed * 10 + salt, words=words)
-
-    sessions: list[Session] = []
-    if scenario == "shared-prefix":
-        systems = texts(args.groups, args.system_len, 1)
-        users = [(g, u) for g in range(args.groups) for u in range(args.users_per_group)]
-        rng.shuffle(users)
-        questions = texts(len(users), args.question_len, 2)
-        for i, ((g, _), q) in enumerate(zip(users, questions)):
-            sessions.append(Session(i, 0.0, systems[g], [q], group=g))
-    elif scenario == "hot-prefix":
-        (system,) = texts(1, args.system_len, 1)
-        for i, q in enumerate(texts(args.hot_requests, args.question_len, 2)):
-            sessions.append(Session(i, 0.0, system, [q], group=0))
-    elif scenario == "no-sharing":
-        systems = texts(args.unique_requests, args.system_len, 1)
-        for i, (s, q) in enumerate(zip(systems, texts(args.unique_requests, args.question_len, 2))):
-            sessions.append(Session(i, 0.0, s, [q]))
-    elif scenario == "multi-turn":
-        systems = texts(args.chats, args.chat_system_len, 1)
-        msgs = texts(args.chats * args.turns, args.chat_message_len, 2)
-        for i, s in enumerate(systems):
-            think = [rng.expovariate(1.0 / args.think_s) for _ in range(args.turns - 1)]
-            sessions.append(Session(i, 0.0, s, msgs[i * args.turns : (i + 1) * args.turns], think, group=i))
-    else:
-        raise ValueError(f"unknown scenario {scenario!r}")
-
-    # Token profile: the real prompts; a chat's answers are stand-ins of the output length (the simulated
-    # replica's answers are only known after the run).
-    placeholder = texts(1, args.output_len, 3)[0]
-    prompts = []
-    for s in sessions:
-        for k in range(len(s.messages)):
-            prompts.append(
-                prompt_ids(tokenizer, chat_messages(s.system, s.messages[: k + 1], [placeholder] * k))
-            )
-    profile = reuse_profile(prompts)
-    return Workload(scenario, sessions, args.output_len, profile)
-
-
-def calibrate(workload: Workload, args: argparse.Namespace, cost: fleet_mod.SimCost) -> dict[str, Any]:
-    """Capacities from the timing model, the chosen request rate, and Poisson start times for the sessions."""
-    prof = workload.info
-    per_replica_tok_s = cost.prefill_tokens_per_s
-    cap_ideal = args.replicas * per_replica_tok_s / prof["uncached_tokens_mean_ideal"]
-    cap_none = args.replicas * per_replica_tok_s / prof["prompt_tokens_mean"]
-    basis = cap_ideal if args.rate_basis == "prefix-aware" else cap_none
-    rate = min(args.utilisation * basis, args.max_rate)
-    turns = max(len(s.messages) for s in workload.sessions)
-    session_rate = rate / turns  # a chat's turns follow its answers: start chats at rate / turns
-    starts = sc.poisson_offsets(len(workload.sessions), session_rate, seed=args.seed + 7919)
-    for s, t in zip(workload.sessions, starts):
-        s.start = t
-    return {
-        "capacity_req_s_prefix_aware_ideal": cap_ideal,
-        "capacity_req_s_no_reuse": cap_none,
-        "rate_basis": args.rate_basis,
-        "rate_req_s": rate,
-        "rate_capped": rate < args.utilisation * basis,
-        "session_rate_per_s": session_rate,
-        "load_vs_no_reuse_capacity": rate / cap_none,
-        "load_vs_prefix_aware_capacity": rate / cap_ideal,
-        "arrivals_span_s": starts[-1] if starts else 0.0,
-    }
+    return shlex.join([".venv/bin/python", "-m", "bench.routing", *(sys.argv[1:] if argv is None else argv)])
 
 
 # ---- one run ---------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Record:
-    """One request of a run, for the JSON (times in seconds; ``sent`` from the run's start)."""
-
-    session: int
-    turn: int
-    group: int | None
-    sent: float
-    ok: bool
-    ttft: float | None
-    e2e: float | None
-    replica: str | None
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    predicted_cached: int | None
-    output_tokens: int | None
-    error: str | None
-
-
-async def run_sessions(
-    base_url: str, api_key: str, workload: Workload, timeout_s: float
-) -> tuple[list[Record], float]:
-    """Play every session (open loop over sessions; a chat's turns wait for their answers). Returns the
-    records and the makespan (first send -> last completion)."""
-    records: list[Record] = []
-    headers = {"x-kvfleet-debug": fleet_mod.ADMIN_TOKEN}  # the routing decision, for operators only
-
-    async with fleet_mod.make_client(base_url, api_key, timeout_s) as client:
-        t0 = time.perf_counter()
-        last_done = t0
-
-        async def play(s: Session) -> None:
-            nonlocal last_done
-            await asyncio.sleep(max(0.0, t0 + s.start - time.perf_counter()))
-            answers: list[str] = []
-            for k in range(len(s.messages)):
-                if k:
-                    await asyncio.sleep(s.think_s[k - 1])
-                body = {
-                    "model": MODEL, "messages": chat_messages(s.system, s.messages[: k + 1], answers),
-                    "max_tokens": workload.output_len, "stream": True, "stream_options": {"include_usage": True},
-                }  # fmt: skip
-                res = await fleet_mod.stream_request(client, "/v1/chat/completions", body, headers)
-                done = time.perf_counter()
-                last_done = max(last_done, done)
-                records.append(Record(
-                    s.sid, k, s.group, res.sent - t0, res.ok, res.ttft, res.e2e,
-                    res.replica.split("#")[0] if res.replica else None, res.prompt_tokens, res.cached_tokens,
-                    res.predicted_cached, res.output_tokens, res.error,
-                ))  # fmt: skip
-                if not res.ok:
-                    return  # a chat cannot go on without its answer
-                answers.append(res.text)
-
-        await asyncio.gather(*(play(s) for s in workload.sessions))
-    records.sort(key=lambda r: r.sent)
-    return records, last_done - t0
-
-
-async def warm_up(base_url: str, api_key: str, n: int, output_len: int) -> int:
-    """``n`` short, unique requests through the gateway (it loads the tokenizer on its first request)."""
-    ok = 0
-    async with fleet_mod.make_client(base_url, api_key, 120.0) as client:
-        for i in range(n):
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"warm up {i}"}],
-                    "max_tokens": min(4, output_len), "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
-            res = await fleet_mod.stream_request(client, "/v1/chat/completions", body)
-            ok += res.ok
-    return ok
-
-
-def _gateway_counters(samples: list[fleet_mod.Sample]) -> dict[str, float]:
-    m = fleet_mod.metric_sum
+def _gateway_counters(samples: list[fleet_metrics.Sample]) -> dict[str, float]:
+    m = fleet_metrics.metric_sum
     return {
         "predicted_cached_tokens": m(samples, "kvfleet_gateway_predicted_cached_tokens_total", model=MODEL),
         "actual_cached_tokens": m(samples, "kvfleet_gateway_actual_cached_tokens_total", model=MODEL),
@@ -412,12 +198,12 @@ def _gateway_counters(samples: list[fleet_mod.Sample]) -> dict[str, float]:
 def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
     out = []
     for url in urls:
-        s = fleet_mod.scrape(url)
+        s = fleet_metrics.scrape(url)
         out.append({
-            "prompt_tokens": fleet_mod.metric_sum(s, "kvfleet_engine_prompt_tokens_total"),
-            "cached_prompt_tokens": fleet_mod.metric_sum(s, "kvfleet_engine_cached_prompt_tokens_total"),
-            "preemptions": fleet_mod.metric_sum(s, "kvfleet_engine_num_preemptions"),
-            "prefill_tokens_per_s": fleet_mod.metric_sum(s, "kvfleet_engine_prefill_tokens_per_second"),
+            "prompt_tokens": fleet_metrics.metric_sum(s, "kvfleet_engine_prompt_tokens_total"),
+            "cached_prompt_tokens": fleet_metrics.metric_sum(s, "kvfleet_engine_cached_prompt_tokens_total"),
+            "preemptions": fleet_metrics.metric_sum(s, "kvfleet_engine_num_preemptions"),
+            "prefill_tokens_per_s": fleet_metrics.metric_sum(s, "kvfleet_engine_prefill_tokens_per_second"),
         })  # fmt: skip
     return out
 
@@ -433,18 +219,18 @@ def run_policy(
         info["warmup_ok"] = asyncio.run(
             warm_up(fl.gateway_url, fl.api_key, args.replicas, workload.output_len)
         )
-        gw0, eng0 = _gateway_counters(fleet_mod.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
-        cpu0, client0 = fleet_mod.cpu_seconds(fl.pids()), time.process_time()
+        gw0, eng0 = _gateway_counters(fleet_metrics.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
+        cpu0, client0 = fleet_metrics.cpu_seconds(fl.pids()), time.process_time()
         contention0 = common.contention()
         n = sum(len(s.messages) for s in workload.sessions)
         common.log(f"{workload.scenario} / {policy}: {n} requests at {workload.info['rate_req_s']:.2f} req/s")
         records, makespan = asyncio.run(
             run_sessions(fl.gateway_url, fl.api_key, workload, args.request_timeout)
         )
-        cpu = fleet_mod.cpu_seconds(fl.pids()) - cpu0
+        cpu = fleet_metrics.cpu_seconds(fl.pids()) - cpu0
         client_cpu = time.process_time() - client0
         contention1 = common.contention()
-        gw1, eng1 = _gateway_counters(fleet_mod.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
+        gw1, eng1 = _gateway_counters(fleet_metrics.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
         fl.check_alive()
         info["summary"] = summarize(records, makespan, args.replicas, workload.output_len)
         info["gateway"] = {k: gw1[k] - gw0[k] for k in gw1}
@@ -461,134 +247,6 @@ def run_policy(
         traceback.print_exc()
         info["error"] = f"{type(e).__name__}: {e}"
     return info
-
-
-def request_table(records: Sequence[Record]) -> dict[str, Any]:
-    """Per-request records as one row each (times in ms, rounded) for a compact JSON."""
-    fields = [f.name for f in dataclass_fields(Record)]
-    rows = []
-    for r in records:
-        row = asdict(r)
-        for k in ("sent", "ttft", "e2e"):
-            row[k] = None if row[k] is None else round(1e3 * row[k], 1)
-        rows.append([row[f] for f in fields])
-    return {"fields": [f"{f}_ms" if f in ("sent", "ttft", "e2e") else f for f in fields], "rows": rows}
-
-
-# ---- statistics ------------------------------------------------------------------------------------
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1e3 * x, 2)
-
-
-def summarize(records: Sequence[Record], makespan: float, replicas: int, output_len: int) -> dict[str, Any]:
-    """Latency, throughput, load share and cache figures of one run. Latencies in milliseconds."""
-    ok = [r for r in records if r.ok]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    e2e = [r.e2e for r in ok if r.e2e is not None]
-    per_replica: dict[str, int] = {f"sim-{i}": 0 for i in range(replicas)}
-    for r in ok:
-        if r.replica is not None:
-            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
-    mean_load = len(ok) / replicas if replicas else 0.0
-    prompt = sum(r.prompt_tokens or 0 for r in ok)
-    cached = sum(r.cached_tokens or 0 for r in ok)
-    predicted = [r for r in ok if r.predicted_cached is not None and r.cached_tokens is not None]
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[(r.error or "?")[:120]] = errors.get((r.error or "?")[:120], 0) + 1
-    out_tokens = sum(r.output_tokens or 0 for r in ok)
-    return {
-        "requests": len(records),
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
-        "errors": errors,
-        "makespan_s": round(makespan, 3),
-        "request_throughput": len(ok) / makespan if makespan > 0 else None,
-        "output_tok_s": out_tokens / makespan if makespan > 0 else None,
-        "output_tokens_exact": bool(ok) and all(r.output_tokens == output_len for r in ok),
-        "ttft_ms": {
-            "mean": _ms(sum(ttft) / len(ttft)) if ttft else None,
-            "p50": _ms(sc.percentile(ttft, 50)),
-            "p90": _ms(sc.percentile(ttft, 90)),
-            "p99": _ms(sc.percentile(ttft, 99)),
-            "max": _ms(max(ttft)) if ttft else None,
-        },
-        "e2e_ms": {
-            "mean": _ms(sum(e2e) / len(e2e)) if e2e else None,
-            "p50": _ms(sc.percentile(e2e, 50)),
-            "p99": _ms(sc.percentile(e2e, 99)),
-        },
-        "requests_per_replica": per_replica,
-        "load_share_max_over_mean": (max(per_replica.values()) / mean_load) if mean_load else None,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "cache_hit_rate": cached / prompt if prompt else None,
-        "predicted_cached_tokens": sum(r.predicted_cached or 0 for r in predicted),
-        "predicted_cached_tokens_of": len(predicted),
-        "prediction_exact_fraction": (
-            sum(r.predicted_cached == r.cached_tokens for r in predicted) / len(predicted)
-            if predicted
-            else None
-        ),
-        "prediction_mean_abs_error_tokens": (
-            sum(abs((r.predicted_cached or 0) - (r.cached_tokens or 0)) for r in predicted) / len(predicted)
-            if predicted
-            else None
-        ),
-    }
-
-
-def _get(run: dict[str, Any] | None, *keys: str) -> float | None:
-    v: Any = run
-    for k in keys:
-        v = v.get(k) if isinstance(v, dict) else None
-    return v if isinstance(v, int | float) else None
-
-
-def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Prefix-aware against each other policy: TTFT (other / prefix-aware: > 1 means prefix-aware is faster)
-    and throughput (prefix-aware / other)."""
-    pa = runs.get("prefix-aware")
-    out: dict[str, Any] = {}
-    for other in ("round-robin", "least-load"):
-        o = runs.get(other)
-        if pa is None or o is None:
-            continue
-        t_pa, t_o = _get(pa, "summary", "ttft_ms", "mean"), _get(o, "summary", "ttft_ms", "mean")
-        x_pa, x_o = _get(pa, "summary", "request_throughput"), _get(o, "summary", "request_throughput")
-        out[f"vs_{other}"] = {
-            "ttft_mean_ratio": t_o / t_pa if t_pa and t_o is not None else None,
-            "throughput_ratio": x_pa / x_o if x_pa is not None and x_o else None,
-        }
-    return out
-
-
-def targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, evaluated where the run has what they need."""
-    out: dict[str, Any] = {}
-    a = scenarios.get("shared-prefix", {}).get("comparison", {}).get("vs_round-robin")
-    if a and a["ttft_mean_ratio"] is not None and a["throughput_ratio"] is not None:
-        out["shared_prefix"] = {
-            "ttft_mean_ratio": a["ttft_mean_ratio"], "throughput_ratio": a["throughput_ratio"],
-            "met": a["ttft_mean_ratio"] >= TARGET_TTFT_RATIO and a["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO,
-        }  # fmt: skip
-    c = _get(scenarios.get("hot-prefix", {}).get("policies", {}).get("prefix-aware"), "summary",
-             "load_share_max_over_mean")  # fmt: skip
-    if c is not None:
-        out["hot_prefix"] = {"load_share_max_over_mean": c, "met": c <= TARGET_MAX_LOAD_SHARE}
-    d = scenarios.get("no-sharing", {}).get("comparison", {}).get("vs_least-load")
-    if d and d["ttft_mean_ratio"] is not None and d["throughput_ratio"] is not None:
-        tol = TARGET_NO_SHARING_TOLERANCE
-        # ttft_mean_ratio = least-load / prefix-aware: prefix-aware at most 5 % slower <=> ratio >= 1/1.05
-        out["no_sharing"] = {
-            "ttft_mean_pa_over_ll": 1.0 / d["ttft_mean_ratio"] if d["ttft_mean_ratio"] else None,
-            "throughput_pa_over_ll": d["throughput_ratio"],
-            "met": d["ttft_mean_ratio"] >= 1.0 / (1.0 + tol) and d["throughput_ratio"] >= 1.0 - tol,
-        }
-    return out
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -689,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["targets"] = targets(result["scenarios"])
     result["log_dir"] = str(log_dir)
     render(result)
-    fleet_mod.write_json(args.out or common.default_out(NAME), result)
+    compact_json.write_json(args.out or common.default_out(NAME), result)
     return result
 
 

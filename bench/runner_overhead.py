@@ -19,22 +19,19 @@ CPU time:
 - for scale: ``model forward`` (the step's compute: on a GPU it runs on the device) and ``sampler``
   (argmax over the vocabulary: on a GPU it runs on the device too).
 
-    .venv/bin/python bench/runner_overhead.py                    # eager and decode-buffer paths, ~1 min
-    .venv/bin/python bench/runner_overhead.py --quick
+    .venv/bin/python -m bench.runner_overhead                    # eager and decode-buffer paths, ~1 min
+    .venv/bin/python -m bench.runner_overhead --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _common as common
+from bench import _common as common
 
 NAME = "runner_overhead"
 TARGET_MS = 1.0
@@ -209,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.print_table("Model runner: host-side work per decode step", ["part", *paths], rows, notes)
     result = {
         "benchmark": NAME,
-        "command": common.command_line("bench/runner_overhead.py", argv),
+        "command": common.command_line("bench.runner_overhead", argv),
         "config": vars(args),
         "model": {"path": str(model_dir)},
         "env": common.env_info(),

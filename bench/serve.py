@@ -33,9 +33,9 @@ Targets:
 and stopped -- whole process group -- before the next), and reports kvfleet / transformers ratios.
 Issue target at concurrency 32 on the ``small`` preset: >= 3x output tokens/s and <= 1/2 TTFT p50.
 
-    .venv/bin/python bench/serve.py --compare                              # small preset, concurrency 32
-    .venv/bin/python bench/serve.py --target transformers --preset tiny --num-requests 8 --concurrency 4
-    .venv/bin/python bench/serve.py --target url:http://127.0.0.1:8000 --request-rate 4 --num-requests 100
+    .venv/bin/python -m bench.serve --compare                              # small preset, concurrency 32
+    .venv/bin/python -m bench.serve --target transformers --preset tiny --num-requests 8 --concurrency 4
+    .venv/bin/python -m bench.serve --target url:http://127.0.0.1:8000 --request-rate 4 --num-requests 100
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
-import _serve_common as sc
-import _servers as servers
+from bench import _common as common
+from bench import _serve_common as sc
+from bench import _servers as servers
 
 NAME = "serve"
 TARGET_THROUGHPUT_RATIO = 3.0
@@ -137,7 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def command_line(argv: list[str] | None) -> str:
-    return shlex.join([".venv/bin/python", "bench/serve.py", *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join([".venv/bin/python", "-m", "bench.serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 def in_flight(args: argparse.Namespace) -> int:

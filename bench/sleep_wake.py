@@ -18,8 +18,8 @@ holds a CUDA context too; differences are what count). Freed = awake - asleep.
 with the cold start: **level-1 wake >= 10x faster than a cold start** (the ratio of the wake_up call alone is
 reported too). Medians over ``--cycles``.
 
-    .venv/bin/python bench/sleep_wake.py                                  # bench preset, levels 1 and 2
-    .venv/bin/python bench/sleep_wake.py --preset small --cycles 2
+    .venv/bin/python -m bench.sleep_wake                                  # bench preset, levels 1 and 2
+    .venv/bin/python -m bench.sleep_wake --preset small --cycles 2
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common
-import _serve_common as sc
-import _servers as servers
+from bench import _common as common
+from bench import _serve_common as sc
+from bench import _servers as servers
 
 NAME = "sleep_wake"
 TARGET_L1_SPEEDUP = 10.0
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": NAME,
         "command": shlex.join(
-            [".venv/bin/python", "bench/sleep_wake.py", *(sys.argv[1:] if argv is None else argv)]
+            [".venv/bin/python", "-m", "bench.sleep_wake", *(sys.argv[1:] if argv is None else argv)]
         ),
         "server_command": shown,
         "config": vars(args),

@@ -25,9 +25,9 @@ current / baseline (paired per repeat, then the median).
 
 Usage::
 
-    .venv/bin/python bench/step_overhead.py                                  # ~30 s
-    .venv/bin/python bench/step_overhead.py --baseline-tree /tmp/base        # ~90 s
-    .venv/bin/python bench/step_overhead.py --quick                          # smoke run, seconds
+    .venv/bin/python -m bench.step_overhead                                  # ~30 s
+    .venv/bin/python -m bench.step_overhead --baseline-tree /tmp/base        # ~90 s
+    .venv/bin/python -m bench.step_overhead --quick                          # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -46,9 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _common as common
+from bench import _common as common
 
 NAME = "step_overhead"
 TARGET_MS = 1.5  # the issue's target for 256 running requests on the development machine
@@ -200,7 +198,7 @@ def make_prompts(args: argparse.Namespace, model_dir: Path, seed: int) -> list[l
 
 def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     """Build an LLM on the zero-cost simulator, warm it up, and time ``args.repeats`` runs."""
-    from kvfleet_engine.executor.simulated import SimulationCost
+    from kvfleet_engine.engine_args import SimulationCost
     from kvfleet_engine.llm import LLM
     from kvfleet_engine.sampling_params import SamplingParams
 
@@ -328,13 +326,13 @@ def run_child(args: argparse.Namespace, argv: list[str], tree: Path, out: Path) 
     )
     child_argv = [a for a in argv if a != "--quick"]  # the child gets explicit sizes below
     cmd = [
-        sys.executable, str(Path(__file__).resolve()),
+        sys.executable, "-m", "bench.step_overhead",
         *strip_option(child_argv, ("--baseline-tree", "--out", "--profile", "--repeats")),
         "--num-seqs", str(args.num_seqs), "--min-prompt", str(args.min_prompt),
         "--max-prompt", str(args.max_prompt), "--decode-steps", str(args.decode_steps),
         "--repeats", "1", "--child-out", str(out),
     ]  # fmt: skip
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run(cmd, env=env, check=True, cwd=common.REPO_ROOT)  # where `-m bench.step_overhead` resolves
     return json.loads(out.read_text())
 
 
@@ -424,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     met = None if total_median is None else total_median <= args.target_ms
     result: dict[str, Any] = {
         "benchmark": NAME,
-        "command": common.command_line("bench/step_overhead.py", argv),
+        "command": common.command_line("bench.step_overhead", argv),
         "config": {k: v for k, v in vars(args).items() if k != "child_out"},
         "model": {"path": str(model_dir), "vocab_size": common.read_model_config(model_dir)["vocab_size"]},
         "engine_config": engine_config,

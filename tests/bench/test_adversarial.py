@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_the_quick_sweep_passes_with_no_5xx_and_no_leak(tmp_path: Path) -> None:
     out = tmp_path / "adversarial.json"
-    argv = [sys.executable, str(REPO / "bench" / "adversarial.py"), "--quick", "--out", str(out),
+    argv = [sys.executable, "-m", "bench.adversarial", "--quick", "--out", str(out),
             "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]

@@ -8,23 +8,27 @@ import asyncio
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from bench_scripts import load_bench
 
 pytest.importorskip("transformers")
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH_DIR))
-
-import _fleet as fleet  # noqa: E402
-import _serve_common as sc  # noqa: E402
-from sse_server import SseServer  # noqa: E402
-
-routing = load_bench("routing")
-overhead = load_bench("gateway_overhead")
+from bench import _fleet as fleet
+from bench import _fleet_client as fleet_client
+from bench import _fleet_metrics as fleet_metrics
+from bench import _gateway_overhead_load as overhead_load
+from bench import _gateway_overhead_logs as overhead_logs
+from bench import _gateway_overhead_profile as overhead_profile
+from bench import _gateway_overhead_report as overhead_report
+from bench import _gateway_overhead_stats as overhead_stats
+from bench import _routing_requests as routing_requests
+from bench import _routing_stats as routing_stats
+from bench import _routing_workloads as routing_workloads
+from bench import _serve_common as sc
+from bench import gateway_overhead as overhead
+from bench import routing
+from tests.sse_server import SseServer
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
     assert data["benchmark"] == "routing" and data["command"].startswith(
-        ".venv/bin/python bench/routing.py --quick"
+        ".venv/bin/python -m bench.routing --quick"
     )
     assert set(data["timing_model"]) >= {
         "prefill_ms_per_1k_tokens",
@@ -179,9 +183,12 @@ def test_sse_client_reads_events_cut_anywhere(cut: int) -> None:
     ])  # fmt: skip
     pieces = [body[i : i + cut] for i in range(0, len(body), cut)]
 
-    async def go() -> fleet.StreamResult:
-        async with SseServer(pieces, gap_s=0.01, path="") as url, fleet.SseClient(url, "k", 10) as client:
-            return await fleet.stream_request(client, "/v1/chat/completions", {"stream": True})
+    async def go() -> fleet_client.StreamResult:
+        async with (
+            SseServer(pieces, gap_s=0.01, path="") as url,
+            fleet_client.SseClient(url, "k", 10) as client,
+        ):
+            return await fleet_client.stream_request(client, "/v1/chat/completions", {"stream": True})
 
     r = asyncio.run(go())
     assert r.ok and r.error is None, r.error
@@ -190,9 +197,9 @@ def test_sse_client_reads_events_cut_anywhere(cut: int) -> None:
 
 
 def test_sse_client_reports_errors_without_raising() -> None:
-    async def go(pieces: list[bytes], status: int = 200) -> fleet.StreamResult:
+    async def go(pieces: list[bytes], status: int = 200) -> fleet_client.StreamResult:
         server = SseServer(pieces, gap_s=0.01, status=status, path="")
-        async with server as url, fleet.SseClient(url, None, 10) as client:
+        async with server as url, fleet_client.SseClient(url, None, 10) as client:
             return await client.stream("/v1/completions", {})
 
     r = asyncio.run(go([b'{"error": {"message": "slow down"}}'], status=429))
@@ -206,8 +213,8 @@ def test_sse_client_reports_errors_without_raising() -> None:
     r = asyncio.run(go([_event({"choices": [{"index": 0, "delta": {"content": "x"}}]}), _event("[DONE]")]))
     assert not r.ok and r.error == "no usage in the stream"
 
-    async def refused() -> fleet.StreamResult:
-        async with fleet.SseClient("http://127.0.0.1:1", None, 10) as client:
+    async def refused() -> fleet_client.StreamResult:
+        async with fleet_client.SseClient("http://127.0.0.1:1", None, 10) as client:
             return await client.stream("/v1/completions", {})
 
     r = asyncio.run(refused())
@@ -217,10 +224,10 @@ def test_sse_client_reports_errors_without_raising() -> None:
 def test_paced_arrivals_hold_the_concurrency_asked_for() -> None:
     args = overhead.parse_args(["--concurrency", "100", "--step-ms", "50", "--output-len", "64"])
     assert args.load == "paced" and args.reference_requests == 0
-    rate = overhead.paced_rate(args)
+    rate = overhead_load.paced_rate(args)
     assert rate == pytest.approx(100 / (64.5 * 0.05))  # Little's law: in flight = rate x stream duration
-    arrivals = overhead.arrival_times(20_000, rate, seed=3)
-    assert arrivals == sorted(arrivals) and arrivals == overhead.arrival_times(20_000, rate, seed=3)
+    arrivals = overhead_load.arrival_times(20_000, rate, seed=3)
+    assert arrivals == sorted(arrivals) and arrivals == overhead_load.arrival_times(20_000, rate, seed=3)
     assert len(arrivals) / arrivals[-1] == pytest.approx(rate, rel=0.03)  # Poisson at that rate
     closed = overhead.parse_args(["--load", "closed"])
     assert (closed.output_len, closed.reference_requests, closed.requests_per_client) == (16, 50, 5)
@@ -229,17 +236,17 @@ def test_paced_arrivals_hold_the_concurrency_asked_for() -> None:
 def test_streams_in_flight_mean_and_peak() -> None:
     # [0,2] [1,3] [1.5,2.5] [4,5]: three open at 1.5-2; 6 s of streams in a 5 s round
     spans = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5), (4.0, 5.0)]
-    assert overhead.in_flight(spans, 5.0) == {"mean": 1.2, "peak": 3}
+    assert overhead_load.in_flight(spans, 5.0) == {"mean": 1.2, "peak": 3}
     back_to_back = [(0.0, 1.0), (1.0, 2.0)]  # an end sorts before a start at the same time
-    assert overhead.in_flight(back_to_back, 2.0)["peak"] == 1
-    assert overhead.in_flight([], 1.0) == {"mean": 0.0, "peak": 0}
+    assert overhead_load.in_flight(back_to_back, 2.0)["peak"] == 1
+    assert overhead_load.in_flight([], 1.0) == {"mean": 0.0, "peak": 0}
 
 
 def test_added_latency_is_met_only_when_every_round_pair_agrees() -> None:
     rounds = [{"round": k, "side": side, "ttft_ms": {"p50": p50, "p99": p99}}
               for k, (d, g) in enumerate([((500.0, 800.0), (498.0, 790.0)), ((480.0, 700.0), (540.0, None))])
               for side, (p50, p99) in (("direct", d), ("gateway", g))]  # fmt: skip
-    pairs = overhead.pair_differences(rounds)
+    pairs = overhead_stats.pair_differences(rounds)
     assert pairs == [
         {"round": 0, "ttft_ms": {"p50": -2.0, "p99": -10.0}},
         {"round": 1, "ttft_ms": {"p50": 60.0, "p99": None}},
@@ -248,7 +255,7 @@ def test_added_latency_is_met_only_when_every_round_pair_agrees() -> None:
     # pooled under the limits, but the second pair added 60 ms: the run shows nothing either way
     verdict = lambda added, pairs: {  # noqa: E731
         k: v
-        for k, v in overhead.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms").items()
+        for k, v in overhead_report.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms").items()
         if k != "detail"
     }
     assert verdict(pooled(1.0, 5.0), pairs) == {"met": False, "inconclusive": True}
@@ -266,12 +273,12 @@ def _args(**kw):
     )
 
 
-@pytest.mark.parametrize("scenario", routing.SCENARIOS)
+@pytest.mark.parametrize("scenario", routing_workloads.SCENARIOS)
 def test_workloads_have_the_shape_asked_for(scenario: str, tokenizer_and_words) -> None:
     tok, words = tokenizer_and_words
     args = _args(groups=3, users_per_group=2, chats=2, turns=3, hot_requests=5, unique_requests=4)
-    w = routing.build_workload(scenario, args, tok, words)
-    again = routing.build_workload(scenario, args, tok, words)
+    w = routing_workloads.build_workload(scenario, args, tok, words)
+    again = routing_workloads.build_workload(scenario, args, tok, words)
     assert [(s.system, s.messages) for s in w.sessions] == [(s.system, s.messages) for s in again.sessions]
     for s in w.sessions:
         assert len(tok.encode(s.system, add_special_tokens=False)) == (
@@ -298,7 +305,7 @@ def test_workloads_have_the_shape_asked_for(scenario: str, tokenizer_and_words) 
 def test_reuse_profile_counts_blocks_computed_once() -> None:
     a = list(range(40))  # 2 full blocks + 8 tokens
     b = [*range(32), 99, 98]  # shares a's 2 full blocks
-    p = routing.reuse_profile([a, b, a], block_size=16)
+    p = routing_workloads.reuse_profile([a, b, a], block_size=16)
     # a: 40 uncached; b: 34 - 32; a again: 40 - 32 (its partial last block was never cached)
     assert p == {
         "requests": 3,
@@ -307,15 +314,17 @@ def test_reuse_profile_counts_blocks_computed_once() -> None:
     }
     # A hit never covers the last prompt token: a prompt of exactly 2 blocks seen twice recomputes its last block.
     c = list(range(32))
-    assert routing.reuse_profile([c, c], block_size=16)["uncached_tokens_mean_ideal"] == (32 + 16) / 2
+    assert (
+        routing_workloads.reuse_profile([c, c], block_size=16)["uncached_tokens_mean_ideal"] == (32 + 16) / 2
+    )
 
 
 def test_calibrate_rate_is_a_fraction_of_capacity_and_capped(tokenizer_and_words) -> None:
     tok, words = tokenizer_and_words
     cost = fleet.SimCost(1000.0, 10.0, 0.0, 0.0)  # 1,000 prompt tokens/s per replica
     args = _args(replicas=2, max_rate=1000)
-    w = routing.build_workload("shared-prefix", args, tok, words)
-    c = routing.calibrate(w, args, cost)
+    w = routing_workloads.build_workload("shared-prefix", args, tok, words)
+    c = routing_workloads.calibrate(w, args, cost)
     assert c["capacity_req_s_no_reuse"] == pytest.approx(2 * 1000 / w.info["prompt_tokens_mean"])
     assert c["capacity_req_s_prefix_aware_ideal"] == pytest.approx(
         2 * 1000 / w.info["uncached_tokens_mean_ideal"]
@@ -326,24 +335,24 @@ def test_calibrate_rate_is_a_fraction_of_capacity_and_capped(tokenizer_and_words
     )
     starts = [s.start for s in w.sessions]
     assert starts[0] == 0.0 and starts == sorted(starts) and starts[-1] > 0
-    capped = routing.calibrate(w, _args(replicas=2, max_rate=0.5), cost)
+    capped = routing_workloads.calibrate(w, _args(replicas=2, max_rate=0.5), cost)
     assert capped["rate_req_s"] == 0.5 and capped["rate_capped"]
-    basis = routing.calibrate(w, _args(replicas=2, max_rate=1000, rate_basis="no-cache"), cost)
+    basis = routing_workloads.calibrate(w, _args(replicas=2, max_rate=1000, rate_basis="no-cache"), cost)
     assert basis["rate_req_s"] == pytest.approx(0.8 * basis["capacity_req_s_no_reuse"])
-    chats = routing.build_workload("multi-turn", args, tok, words)
-    cc = routing.calibrate(chats, args, cost)
+    chats = routing_workloads.build_workload("multi-turn", args, tok, words)
+    cc = routing_workloads.calibrate(chats, args, cost)
     assert cc["session_rate_per_s"] == pytest.approx(cc["rate_req_s"] / args.turns)
 
 
 def _record(replica: str, ttft: float, cached: int = 0, ok: bool = True, predicted: int | None = 0):
-    return routing.Record(0, 0, None, 0.0, ok, ttft if ok else None, ttft + 1 if ok else None, replica, 100, cached,
+    return routing_requests.Record(0, 0, None, 0.0, ok, ttft if ok else None, ttft + 1 if ok else None, replica, 100, cached,
                           predicted, 8 if ok else None, None if ok else "HTTP 503: x")  # fmt: skip
 
 
 def test_summary_compare_and_targets() -> None:
     recs = [_record("sim-0", 0.1, 50, predicted=50), _record("sim-0", 0.3, 0, predicted=16),
             _record("sim-1", 0.2), _record("sim-1", 0.0, ok=False)]  # fmt: skip
-    s = routing.summarize(recs, makespan=2.0, replicas=2, output_len=8)
+    s = routing_stats.summarize(recs, makespan=2.0, replicas=2, output_len=8)
     assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
     assert s["requests_per_replica"] == {"sim-0": 2, "sim-1": 1}
     assert s["load_share_max_over_mean"] == pytest.approx(2 / 1.5)
@@ -364,11 +373,11 @@ def test_summary_compare_and_targets() -> None:
             }
         }
 
-    comp = routing.compare(
+    comp = routing_stats.compare(
         {"prefix-aware": run(100, 4.0), "round-robin": run(400, 2.0), "least-load": run(96, 4.1)}
     )
     assert comp["vs_round-robin"] == {"ttft_mean_ratio": 4.0, "throughput_ratio": 2.0}
-    t = routing.targets({
+    t = routing_stats.targets({
         "shared-prefix": {"comparison": comp},
         "hot-prefix": {"policies": {"prefix-aware": run(1, 1, share=1.6)}},
         "no-sharing": {"comparison": comp},
@@ -376,12 +385,12 @@ def test_summary_compare_and_targets() -> None:
     assert t["shared_prefix"]["met"] is True
     assert t["hot_prefix"]["met"] is False
     assert t["no_sharing"]["met"] is True  # TTFT 4.2 % higher, throughput 2.4 % lower: within 5 %
-    slow = routing.compare({"prefix-aware": run(110, 4.0), "least-load": run(100, 4.0)})
-    assert routing.targets({"no-sharing": {"comparison": slow}})["no_sharing"]["met"] is False
+    slow = routing_stats.compare({"prefix-aware": run(110, 4.0), "least-load": run(100, 4.0)})
+    assert routing_stats.targets({"no-sharing": {"comparison": slow}})["no_sharing"]["met"] is False
 
 
 def test_overhead_statistics() -> None:
-    S = overhead.Sample
+    S = overhead_load.Sample
     # The replica's own TTFT of client c's request lands c steps of 50 ms late (its step clock); the
     # gateway's requests spend 2 ms more outside it.
     samples = [S("direct", 0, c, 0, True, 0.010 + 0.05 * c, 0.020 + 0.05 * c, None, 0.0, 0.008 + 0.05 * c,
@@ -389,7 +398,7 @@ def test_overhead_statistics() -> None:
     samples += [S("gateway", 0, c, 0, True, 0.012 + 0.05 * c, 0.025 + 0.05 * c, None, 0.0, 0.008 + 0.05 * c,
                   0.017 + 0.05 * c) for c in range(5)]  # fmt: skip
     samples.append(S("gateway", 0, 9, 0, False, None, None, "HTTP 503: x"))
-    st = overhead.side_stats(samples)
+    st = overhead_stats.side_stats(samples)
     assert (
         st["direct"]["ok"] == 5
         and st["gateway"]["requests"] == 6
@@ -411,11 +420,11 @@ def test_overhead_statistics() -> None:
 def test_overhead_rounds_hold_the_load_generators_collections() -> None:
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
-    with overhead.collections_between_rounds():
+    with overhead_load.collections_between_rounds():
         assert not gc.isenabled() and gc.get_freeze_count() > frozen
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0 if frozen == 0 else gc.get_freeze_count() >= frozen
-    with pytest.raises(RuntimeError), overhead.collections_between_rounds():
+    with pytest.raises(RuntimeError), overhead_load.collections_between_rounds():
         raise RuntimeError("a round failed")
     assert gc.isenabled()  # whatever happened in the round
 
@@ -430,12 +439,12 @@ def test_overhead_engine_timings_from_the_replica_log(tmp_path: Path) -> None:
         "2026-11-25 08:00:00,003 INFO kvfleet_engine.server.serving: chat chatcmpl-x model=sim status=200"
         " prompt=21 cached=0 completion=64 ttft=52.4ms e2e=3201.5ms\n"
     )  # a disconnected request (499) and one the bench did not send are not its samples' timings
-    assert overhead.engine_timings(log) == {
+    assert overhead_logs.engine_timings(log) == {
         "gwo-gateway-0-3-0": (pytest.approx(0.0524), pytest.approx(3.2015))
     }
-    samples = [overhead.Sample("gateway", 0, 3, 0, True, 0.06, 3.3, None),
-               overhead.Sample("direct", 0, 3, 0, True, 0.06, 3.3, None)]  # fmt: skip
-    assert overhead.attach_engine_timings(samples, log, wait_s=0.0) == 1
+    samples = [overhead_load.Sample("gateway", 0, 3, 0, True, 0.06, 3.3, None),
+               overhead_load.Sample("direct", 0, 3, 0, True, 0.06, 3.3, None)]  # fmt: skip
+    assert overhead_logs.attach_engine_timings(samples, log, wait_s=0.0) == 1
     assert samples[0].engine_ttft == pytest.approx(0.0524) and samples[1].engine_ttft is None
 
 
@@ -449,11 +458,11 @@ def test_overhead_gateway_timings_from_its_log(tmp_path: Path) -> None:
         " status=503 replica=- policy=- prompt=21 cached(pred/actual)=0/- completion=None attempts=0"
         " overhead=- ttft=- 0.9ms\n"
     )  # a request that never reached a replica has no timings
-    assert overhead.gateway_timings(log) == {
+    assert overhead_logs.gateway_timings(log) == {
         "gwo-gateway-0-1-0": (pytest.approx(0.00162), pytest.approx(0.0517))
     }
-    samples = [overhead.Sample("gateway", 0, c, 0, True, 0.06, 3.3, None) for c in (1, 2)]
-    assert overhead.attach_gateway_timings(samples, log, wait_s=0.0) == 1
+    samples = [overhead_load.Sample("gateway", 0, c, 0, True, 0.06, 3.3, None) for c in (1, 2)]
+    assert overhead_logs.attach_gateway_timings(samples, log, wait_s=0.0) == 1
     assert samples[0].gateway_overhead == pytest.approx(0.00162) and samples[1].gateway_overhead is None
 
 
@@ -462,13 +471,13 @@ def test_overhead_verdict_reads_the_measure_asked_for() -> None:
              "ttft_ms": {"p50": 1.6, "p99": 25.0}, "e2e_ms": {"p50": 0.3, "p99": -18.0}}  # fmt: skip
     pairs = [{"round": 0, "ttft_outside_ms": {"p50": 1.1, "p99": 3.0}, "ttft_ms": {"p50": 1.8, "p99": 30.0}},
              {"round": 1, "ttft_outside_ms": {"p50": 1.4, "p99": -2.0}, "ttft_ms": {"p50": 1.2, "p99": 9.0}}]  # fmt: skip
-    v = overhead.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
+    v = overhead_report.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
     assert v["met"] is True and v["inconclusive"] is False
     assert "+1.1 / +3.0, +1.4 / -2.0" in v["detail"]
-    e2e = overhead.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms")
+    e2e = overhead_report.added_latency_verdict(added, pairs, "ttft_ms", "e2e_ms")
     assert e2e["met"] is False and e2e["inconclusive"] is False  # the pooled TTFT p99 is over the limit
     pairs[0]["ttft_outside_ms"]["p99"] = 12.0  # pooled under the limits, one pair over: the run shows nothing
-    v = overhead.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
+    v = overhead_report.added_latency_verdict(added, pairs, "ttft_outside_ms", "e2e_outside_ms")
     assert v["met"] is False and v["inconclusive"] is True
 
 
@@ -478,7 +487,7 @@ def test_profile_summary() -> None:
         "main (app.py:1);send (h11/_conn.py:5) 3",
         "main (app.py:1);start_span (opentelemetry/trace/__init__.py:9) 1",
     ])  # fmt: skip
-    p = overhead.summarize_profile(raw)
+    p = overhead_profile.summarize_profile(raw)
     assert p["samples"] == 10
     assert p["self"][0] == ["encode (tokenizers/x.py)", 0.6]
     inclusive = dict(p["inclusive"])
@@ -490,4 +499,4 @@ def test_profile_summary() -> None:
 def test_redis_command_stats_delta_excludes_its_own_info_calls() -> None:
     before = {"total_commands_processed": 100, "calls": {"evalsha": 10, "info": 4}}
     after = {"total_commands_processed": 112, "calls": {"evalsha": 20, "info": 6}}
-    assert fleet.command_stats_delta(before, after) == {"total": 10, "calls": {"evalsha": 10}}
+    assert fleet_metrics.command_stats_delta(before, after) == {"total": 10, "calls": {"evalsha": 10}}

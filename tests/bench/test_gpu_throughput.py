@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import _offline as offline  # noqa: E402
-import _servers as servers  # noqa: E402
-import gpu_throughput as gt  # noqa: E402
+from bench import _offline as offline  # noqa: E402  (after the skips above)
+from bench import _servers as servers  # noqa: E402
+from bench import gpu_throughput as gt  # noqa: E402
 
 SYSTEMS = ("kvfleet-offline", "kvfleet-server", "hf-static", "hf-continuous")
 

@@ -19,7 +19,7 @@ PARTS = ("update_states", "step_arrays", "device_inputs", "sampling_metadata", "
 
 def test_quick_run_reports_every_part_of_both_paths(tmp_path):
     out = tmp_path / "runner_overhead.json"
-    cmd = [sys.executable, str(REPO / "bench" / "runner_overhead.py"), "--quick", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.runner_overhead", "--quick", "--out", str(out)]
     cmd += ["--model-cache", str(tmp_path / "models")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -12,15 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_scripts import load_bench
 
 pytest.importorskip("transformers")
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH_DIR))
-
-import _serve_common as sc  # noqa: E402
-import _servers as servers  # noqa: E402
+from bench import _serve_common as sc
+from bench import _servers as servers
+from bench import serve, sleep_wake
 
 
 @pytest.fixture(autouse=True)
@@ -69,11 +66,11 @@ def test_serve_bench_kvfleet_smoke(tmp_path: Path, demo_model) -> None:
         "--concurrency", "3", "--input-len", "20", "--output-len", "8", "--max-model-len", "128",
         "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--startup-timeout", "120",
     ]  # fmt: skip
-    result = load_bench("serve").main(argv)
+    result = serve.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
     assert data["benchmark"] == "serve" and data["command"].startswith(
-        ".venv/bin/python bench/serve.py --target"
+        ".venv/bin/python -m bench.serve --target"
     )
     assert list(data["targets"]) == ["kvfleet"] and "ratios" not in data
     _check_target(data, "kvfleet", 6, 20, 8)
@@ -92,7 +89,7 @@ def test_serve_bench_compare_open_loop_chat(tmp_path: Path, demo_model) -> None:
         "--request-rate", "20", "--input-len", "16", "--output-len", "6", "--log-dir", str(tmp_path / "logs"),
         "--out", str(out), "--startup-timeout", "180",
     ]  # fmt: skip
-    load_bench("serve").main(argv)
+    serve.main(argv)
     data = json.loads(out.read_text())
     assert list(data["targets"]) == ["transformers", "kvfleet"]
     for name in data["targets"]:
@@ -220,7 +217,7 @@ def test_sleep_wake_bench_smoke(tmp_path: Path, demo_model) -> None:
         "--model", str(demo_model(preset="tiny")), "--cycles", "1", "--prompt-len", "12", "--output-len", "4",
         "--max-model-len", "128", "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--startup-timeout", "120",
     ]  # fmt: skip
-    load_bench("sleep_wake").main(argv)
+    sleep_wake.main(argv)
     data = json.loads(out.read_text())
     assert "error" not in data, data.get("error")
     assert "<token>" in data["server_command"] and "--admin-token" in data["server_command"]
