@@ -12,9 +12,17 @@ evaluate CEL but the test emulator and `jsonschema` do not. The defaults of the 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from kvfleet_operator.engine_fields import engine_default
+from kvfleet_operator.openapi_schema import (
+    byte_quantity,
+    conditions_schema,
+    free_object,
+    integer,
+    quantity,
+    resource_schema,
+    string,
+)
 
 GROUP = "kvfleet.io"
 VERSION = "v1alpha1"
@@ -29,18 +37,9 @@ MAX_ACCELERATORS_PER_POD = 8
 MODEL_URI_PATTERN = (
     r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|file:///.*)$"
 )
-QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
 # Model and tenant names as the Redis contract accepts them (kvfleet_common.redis_keys.check_name).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/@+=-]*$"
-# A positive whole number of bytes (``1073741824``, ``1e9``) or a positive quantity with a unit (``8Gi``,
-# ``1.5G``): no sign, no milli unit, no bare fraction, not zero. A fraction of a byte left by a unit
-# (``1.3Ki``) rounds up, as Kubernetes rounds quantities. `validation.parse_bytes` reads the same set.
-BYTES_PATTERN = (
-    r"^(0*[1-9][0-9]*([eE][0-9]+)?"  # a whole number, not 0
-    r"|(0*[1-9][0-9]*|[0-9]*[1-9][0-9]*\.[0-9]*|[0-9]*\.[0-9]*[1-9][0-9]*)"  # a number with a nonzero digit
-    r"([KMGTPE]i|[kMGTPE]))$"  # ... and a unit
-)
 # DNS-1123 names, as Kubernetes requires them of namespaces (a label) and Secrets (a subdomain).
 DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -94,38 +93,6 @@ PHASES = ("Pending", "Progressing", "Ready", "Sleeping", "ScaledToZero", "Degrad
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sleeping")
 
 
-def _int(
-    minimum: int | None = None, maximum: int | None = None, default: int | None = None, **kw: Any
-) -> dict:
-    schema: dict[str, Any] = {"type": "integer", **kw}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    if default is not None:
-        schema["default"] = default
-    return schema
-
-
-def _str(description: str, **kw: Any) -> dict:
-    return {"type": "string", "description": description, **kw}
-
-
-def _quantity(description: str) -> dict:
-    """A Kubernetes resource.Quantity (int or string), shaped as structural schemas require."""
-    return {
-        "description": description,
-        "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "pattern": QUANTITY_PATTERN,
-        "x-kubernetes-int-or-string": True,
-    }
-
-
-def _byte_quantity(description: str) -> dict:
-    """A positive number of bytes as a Kubernetes quantity (``8Gi``) or an integer."""
-    return {**_quantity(description), "pattern": BYTES_PATTERN, "minimum": 1}
-
-
 def _prefix_regex(words: list[str]) -> str:
     """RE2 matching every non-empty prefix of ``words``: a trie, so shared prefixes are written once."""
     trie: dict = {}
@@ -152,53 +119,6 @@ def managed_flag_regex() -> str:
     return f"^(--{_prefix_regex(long)}(=.*)?|-{_prefix_regex(short)}(=.*)?|-({'|'.join(short)}).+)$"
 
 
-def _free_object(description: str) -> dict:
-    """An object whose schema belongs to Kubernetes core types (kept as-is, validated by the API server
-    when the operator copies it into a pod)."""
-    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
-
-
-def _resource_schema(spec: dict, status: dict, validations: list[dict] | None = None) -> dict:
-    """The top-level openAPIV3Schema of a custom resource with a required spec and a status; root
-    ``validations`` may read ``self.metadata.name``."""
-    schema: dict[str, Any] = {
-        "type": "object",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
-        },
-    }
-    if validations:
-        schema["x-kubernetes-validations"] = validations
-    return schema
-
-
-def _conditions_schema() -> dict:
-    return {
-        "type": "array",
-        "description": "Latest observations of the object's state (metav1.Condition).",
-        "x-kubernetes-list-type": "map",
-        "x-kubernetes-list-map-keys": ["type"],
-        "maxItems": 16,
-        "items": {
-            "type": "object",
-            "required": ["type", "status"],
-            "properties": {
-                "type": _str("Condition type.", maxLength=64),
-                "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-                "reason": _str("CamelCase machine-readable reason.", maxLength=128),
-                "message": _str("Human-readable details.", maxLength=4096),
-                "lastTransitionTime": {"type": "string", "format": "date-time"},
-                "observedGeneration": _int(minimum=0, format="int64"),
-            },
-        },
-    }
-
-
 def _engine_schema() -> dict:
     """spec.engine: its engine settings are EngineArgs fields (`engine_fields` maps the names), and their
     defaults here are the engine's own."""
@@ -207,31 +127,33 @@ def _engine_schema() -> dict:
         "description": "How each replica's `kvfleet engine serve` runs.",
         "default": {},
         "properties": {
-            "image": _str("Engine container image (defaults to the operator's --engine-image)."),
+            "image": string("Engine container image (defaults to the operator's --engine-image)."),
             "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
-            "tensorParallelSize": _int(
+            "tensorParallelSize": integer(
                 1,
                 MAX_ACCELERATORS_PER_POD,
                 engine_default("tensorParallelSize"),
                 description="TP ranks per replica.",
             ),
-            "pipelineParallelSize": _int(
+            "pipelineParallelSize": integer(
                 1,
                 MAX_ACCELERATORS_PER_POD,
                 engine_default("pipelineParallelSize"),
                 description="PP stages per replica.",
             ),
             "dtype": {"type": "string", "enum": list(DTYPES), "default": engine_default("dtype")},
-            "maxModelLen": _int(1, description="Longest prompt + output in tokens (default: the model's)."),
-            "maxNumSeqs": _int(1, 65536, description="Most sequences in one scheduler step."),
-            "maxNumBatchedTokens": _int(1, description="Token budget of one scheduler step."),
-            "blockSize": _int(
+            "maxModelLen": integer(
+                1, description="Longest prompt + output in tokens (default: the model's)."
+            ),
+            "maxNumSeqs": integer(1, 65536, description="Most sequences in one scheduler step."),
+            "maxNumBatchedTokens": integer(1, description="Token budget of one scheduler step."),
+            "blockSize": integer(
                 1,
                 256,
                 engine_default("blockSize"),
                 description="Tokens per KV-cache block (the prefix-cache unit).",
             ),
-            "kvCacheMemory": _byte_quantity(
+            "kvCacheMemory": byte_quantity(
                 "KV-cache size: a positive quantity (e.g. 8Gi) or a number of bytes; excludes "
                 "gpuMemoryUtilization."
             ),
@@ -248,7 +170,7 @@ def _engine_schema() -> dict:
                 "default": engine_default("enforceEager"),
                 "description": "Run every decode step eagerly, without CUDA graphs (slower; for debugging).",
             },
-            "seed": _int(0, description="Sampling seed of the engine."),
+            "seed": integer(0, description="Sampling seed of the engine."),
             "extraArgs": {
                 "type": "array",
                 "description": "Appended verbatim to the engine's command line; flags the operator sets "
@@ -302,22 +224,22 @@ def inference_model_schema() -> dict:
                 "type": "object",
                 "required": ["uri"],
                 "properties": {
-                    "uri": _str(
+                    "uri": string(
                         "Where the weights are: pvc://claim/path, hf://org/name[@revision] or file:///path.",
                         pattern=MODEL_URI_PATTERN,
                         maxLength=1024,
                     ),
-                    "servedName": _str(
+                    "servedName": string(
                         "The OpenAI model id clients ask for (default: metadata.name).",
                         minLength=1,
                         maxLength=253,
                         pattern=NAME_PATTERN,
                     ),
-                    "tokenizer": _str("Tokenizer directory or URI if not the model's.", maxLength=1024),
+                    "tokenizer": string("Tokenizer directory or URI if not the model's.", maxLength=1024),
                 },
             },
             "engine": _engine_schema(),
-            "replicas": _int(0, 1024, 1, description="Data-parallel replicas (one pod each)."),
+            "replicas": integer(0, 1024, 1, description="Data-parallel replicas (one pod each)."),
             "accelerator": {
                 "type": "string",
                 "enum": list(ACCELERATORS),
@@ -328,31 +250,31 @@ def inference_model_schema() -> dict:
                 "type": "object",
                 "description": "core/v1 ResourceRequirements of the engine container.",
                 "properties": {
-                    "limits": {"type": "object", "additionalProperties": _quantity("Resource limit.")},
-                    "requests": {"type": "object", "additionalProperties": _quantity("Resource request.")},
+                    "limits": {"type": "object", "additionalProperties": quantity("Resource limit.")},
+                    "requests": {"type": "object", "additionalProperties": quantity("Resource request.")},
                 },
             },
             "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
             "tolerations": {
                 "type": "array",
-                "items": _free_object("core/v1 Toleration."),
+                "items": free_object("core/v1 Toleration."),
             },
-            "affinity": _free_object("core/v1 Affinity."),
-            "priorityClassName": _str("PriorityClass of the engine pods.", maxLength=253),
-            "terminationGracePeriodSeconds": _int(
+            "affinity": free_object("core/v1 Affinity."),
+            "priorityClassName": string("PriorityClass of the engine pods.", maxLength=253),
+            "terminationGracePeriodSeconds": integer(
                 0, 86400, 120, description="How long a stopping replica may finish in-flight requests."
             ),
-            "startupTimeoutSeconds": _int(
+            "startupTimeoutSeconds": integer(
                 60, 86400, 1800, description="How long a replica may take to load its model."
             ),
             "sleep": {
                 "type": "object",
                 "default": {},
                 "properties": {
-                    "idleSeconds": _int(
+                    "idleSeconds": integer(
                         0, description="Sleep replicas after this long without requests; 0 never.", default=0
                     ),
-                    "level": _int(1, 2, 1, description="1: offload weights to host; 2: discard weights."),
+                    "level": integer(1, 2, 1, description="1: offload weights to host; 2: discard weights."),
                 },
             },
             "routing": {
@@ -390,16 +312,16 @@ def inference_model_schema() -> dict:
     status = {
         "type": "object",
         "properties": {
-            "observedGeneration": _int(0, format="int64"),
+            "observedGeneration": integer(0, format="int64"),
             "phase": {"type": "string", "enum": list(PHASES)},
             "servedName": {"type": "string"},
             "selector": {"type": "string", "description": "Label selector of the pods (for /scale)."},
-            "replicas": _int(0),
-            "readyReplicas": _int(0),
-            "awakeReplicas": _int(0),
-            "sleepingReplicas": _int(0),
+            "replicas": integer(0),
+            "readyReplicas": integer(0),
+            "awakeReplicas": integer(0),
+            "sleepingReplicas": integer(0),
             "lastActivity": {"type": "string", "format": "date-time"},
-            "conditions": _conditions_schema(),
+            "conditions": conditions_schema(),
         },
     }
     name_rule = {
@@ -407,7 +329,7 @@ def inference_model_schema() -> dict:
         f"&& self.metadata.name.matches('{DNS_1035_LABEL}')",
         "message": MODEL_NAME_MESSAGE,
     }
-    return _resource_schema(spec, status, [name_rule])
+    return resource_schema(spec, status, [name_rule])
 
 
 def tenant_schema() -> dict:
@@ -421,8 +343,8 @@ def tenant_schema() -> dict:
                 "required": ["name"],
                 "description": "The Secret holding the tenant's API key; only its SHA-256 reaches Redis.",
                 "properties": {
-                    "name": _str("Secret name.", minLength=1, maxLength=253, pattern=DNS_1123_SUBDOMAIN),
-                    "namespace": _str(
+                    "name": string("Secret name.", minLength=1, maxLength=253, pattern=DNS_1123_SUBDOMAIN),
+                    "namespace": string(
                         "Secret namespace (default: the operator's namespace); the operator must be allowed "
                         "to read Secrets there (the Helm chart: the release namespace and "
                         "operator.tenantSecretNamespaces).",
@@ -430,7 +352,7 @@ def tenant_schema() -> dict:
                         maxLength=63,
                         pattern=DNS_1123_LABEL,
                     ),
-                    "key": _str(
+                    "key": string(
                         "Key inside the Secret.",
                         default="apiKey",
                         minLength=1,
@@ -451,13 +373,13 @@ def tenant_schema() -> dict:
                 "default": {},
                 "description": "0 or absent: unlimited.",
                 "properties": {
-                    "requestsPerMinute": _int(0),
-                    "tokensPerMinute": _int(0),
-                    "maxConcurrent": _int(0),
+                    "requestsPerMinute": integer(0),
+                    "tokensPerMinute": integer(0),
+                    "maxConcurrent": integer(0),
                 },
             },
-            "priority": _int(0, 1000, 0, description="Higher is served first under contention."),
-            "cacheSalt": _str(
+            "priority": integer(0, 1000, 0, description="Higher is served first under contention."),
+            "cacheSalt": string(
                 "Isolates this tenant's prefix cache (empty: shared with every unsalted tenant).",
                 maxLength=256,
             ),
@@ -466,12 +388,12 @@ def tenant_schema() -> dict:
     status = {
         "type": "object",
         "properties": {
-            "observedGeneration": _int(0, format="int64"),
+            "observedGeneration": integer(0, format="int64"),
             "phase": {"type": "string", "enum": ["Active", "Failed"]},
-            "conditions": _conditions_schema(),
+            "conditions": conditions_schema(),
         },
     }
-    return _resource_schema(spec, status)
+    return resource_schema(spec, status)
 
 
 def _crd(

@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 
-from kvfleet_operator import crds
+from kvfleet_operator import crds, openapi_schema
 from kvfleet_operator.engine_fields import crd_name
 
 
@@ -76,7 +76,7 @@ def _short_message(error: jsonschema.ValidationError) -> str:
 
 _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_BYTES = re.compile(crds.BYTES_PATTERN)
+_BYTES = re.compile(openapi_schema.BYTES_PATTERN)
 _SPLIT = re.compile(r"^([0-9.]+)([eE][0-9]+|[KMGTPE]i|[kMGTPE])?$")
 
 

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet_operator import crds, manifests
+from kvfleet_operator import crds, manifests, openapi_schema
 from kvfleet_operator.spec import model_spec_from
 from kvfleet_operator.validation import (
     SpecError,
@@ -156,7 +156,7 @@ def test_kv_cache_memory_accepted_forms(value, expected):
 @given(st.text(alphabet="0123456789.+-eEkKMGTPim", max_size=7))
 def test_the_pattern_and_parse_bytes_agree(text):
     """What the API server admits (RE2: the whole string) is exactly what the operator can read."""
-    admitted = re.fullmatch(crds.BYTES_PATTERN, text) is not None
+    admitted = re.fullmatch(openapi_schema.BYTES_PATTERN, text) is not None
     try:
         value = parse_bytes(text)
         parsed = True
