@@ -19,8 +19,8 @@ import pytest
 
 from kvfleet_common import redis_keys
 from kvfleet_common.schemas import ModelPolicy
+from kvfleet_devkit.processes import free_port
 from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
-from tests.server.server_harness import free_port
 
 SIM = ("--simulate", "--sim-prefill-ms-per-1k-tokens", "0", "--sim-decode-ms-per-step", "50",
        "--sim-decode-ms-per-seq", "0", "--sim-step-overhead-ms", "0")  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 from kvfleet_operator import manifests
 from kvfleet_operator.spec import OperatorConfig, model_spec_from, parse_model_uri
 from kvfleet_operator.validation import SpecError
+from tests.operator.test_operator_engine_fields import FULL_ENGINE
 
 CONFIG = OperatorConfig(
     engine_image="registry.example/kvfleet-engine:1.0",
@@ -276,23 +277,12 @@ def test_builders_are_pure_and_share_no_objects():
 
 
 def test_rendered_arguments_parse_with_the_engines_own_command_line():
-    """Contract with `kvfleet engine serve`: every flag the operator renders exists and means the same."""
+    """Contract with `kvfleet engine serve`: the flags the operator sets itself (model path, address, served
+    name, device, shutdown timeout) exist and mean the same."""
     server_cli = pytest.importorskip("kvfleet_engine.server.serve_cli")
     model = model_spec_from(
         model_obj(
-            engine={
-                "tensorParallelSize": 2,
-                "pipelineParallelSize": 2,
-                "dtype": "bfloat16",
-                "maxModelLen": 4096,
-                "maxNumSeqs": 32,
-                "maxNumBatchedTokens": 4096,
-                "blockSize": 32,
-                "gpuMemoryUtilization": 0.8,
-                "enablePrefixCaching": False,
-                "enforceEager": True,
-                "seed": 3,
-            },
+            engine=FULL_ENGINE,
             model={"uri": "pvc://models/llama", "servedName": "org/llama"},
         )
     )
@@ -304,15 +294,7 @@ def test_rendered_arguments_parse_with_the_engines_own_command_line():
         "org/llama",
     )
     assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.device) == (2, 2, "cuda")
-    assert (args.dtype, args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (
-        "bfloat16",
-        4096,
-        32,
-        4096,
-    )
-    assert (args.block_size, args.gpu_memory_utilization, args.seed) == (32, 0.8, 3)
-    assert args.enable_prefix_caching is False and args.kv_cache_memory_bytes is None
-    assert args.enforce_eager is True
+    # The engine settings themselves parse back to the spec's values: test_operator_engine_fields.py.
     assert args.shutdown_timeout == 110.0
 
     cpu = model_spec_from(model_obj(accelerator="cpu", engine={"kvCacheMemory": "1Gi"}))
