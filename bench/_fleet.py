@@ -1,9 +1,10 @@
 """A local kvfleet fleet for the gateway benchmarks (``bench/routing.py``, ``bench/gateway_overhead.py``,
 ``bench/adversarial.py``).
 
-Processes: one ``redis-server`` (free port, temp dir, no persistence), N simulated engine replicas
-(``kvfleet engine serve --simulate``, see docs/SERVER.md) and one ``kvfleet gateway``. Each runs in its own
-process group through ``_servers.ServerProcess``, so stopping one leaves none of its children behind.
+Processes: one ``redis-server`` (devkit's, with a password; free port, no persistence), N simulated engine
+replicas (``kvfleet engine serve --simulate``, see docs/SERVER.md) and one ``kvfleet gateway``; the Redis
+URL reaches them in their environment. Each runs in its own process group through ``_servers.ServerProcess``,
+so stopping one leaves none of its children behind.
 ``Fleet.boot(policy)`` gives a cold fleet: everything stopped, Redis flushed, replicas started (empty KV
 caches, no measured rates), then the gateway with ``--default-policy``, and a fresh tenant with no limits.
 
@@ -14,10 +15,6 @@ Redis command counts, CPU seconds) is ``_fleet_metrics``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 from bench import _servers as servers
 from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_devkit.redis_server import RedisServer
 
 ADMIN_TOKEN = "bench-admin-token"
 TENANT = "bench"
@@ -38,71 +35,20 @@ TENANT = "bench"
 # ---- Redis -----------------------------------------------------------------------------------------
 
 
-class RedisProcess:
-    """A throwaway ``redis-server`` (no persistence) on a free port."""
+class BenchRedis(RedisServer):
+    """devkit's throwaway ``redis-server`` (free port, no persistence, a password like the chart's Redis),
+    its log and config in ``log_dir/redis``, plus the command counts the overhead benchmark reads."""
 
     def __init__(self, log_dir: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
-        self.exe = exe
-        self.port = servers.free_port()
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvf-bench-redis-"))
-        self.log_path = log_dir / f"redis-{self.port}.log"
-        self.proc: subprocess.Popen | None = None
-        self._client: redis.Redis | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.workdir), "--protected-mode", "no"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; log {self.log_path}")
-            with contextlib.suppress(redis.exceptions.ConnectionError):
-                if self.client().ping():
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer within {timeout_s}s; log {self.log_path}")
-            time.sleep(0.05)
-
-    def client(self) -> redis.Redis:
-        if self._client is None:
-            self._client = redis.Redis.from_url(self.url, socket_timeout=10)
-        return self._client
-
-    def flush(self) -> None:
-        self.client().flushall()
+        (log_dir / "redis").mkdir(parents=True, exist_ok=True)
+        super().__init__(workdir=log_dir / "redis")
 
     def command_stats(self) -> dict[str, Any]:
         """``total_commands_processed`` and per-command call counts (``INFO commandstats``)."""
-        c = self.client()
-        stats = c.info("stats")
-        calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
+        with self.client(socket_timeout=10) as c:
+            stats = c.info("stats")
+            calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
         return {"total_commands_processed": int(stats["total_commands_processed"]), "calls": calls}
-
-    def stop(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def parse_env(p: argparse.ArgumentParser, items: Sequence[str], flag: str) -> dict[str, str]:
@@ -153,24 +99,27 @@ def replica_command(
 ) -> servers.ServerCommand:
     port = servers.free_port()
     extra = [
-        "--simulate", *cost.args(), "--num-kv-blocks", str(num_kv_blocks), "--redis-url", redis_url,
+        "--simulate", *cost.args(), "--num-kv-blocks", str(num_kv_blocks),
         "--replica-name", name, "--base-url", f"http://127.0.0.1:{port}", "--log-level", "warning",
         *extra_args,
     ]  # fmt: skip
-    return servers.kvfleet_command(
+    cmd = servers.kvfleet_command(
         model_dir, port, model_name, max_model_len=max_model_len, admin_token=ADMIN_TOKEN, extra_args=extra
     )
+    cmd.env["KVFLEET_REDIS_URL"] = redis_url  # with its password: kept off the command line
+    return cmd
 
 
 def gateway_command(redis_url: str, policy: str, extra_args: Sequence[str] = ()) -> servers.ServerCommand:
     port = servers.free_port()
     argv = [
-        str(servers.BIN_DIR / "kvfleet"), "gateway", "--redis-url", redis_url, "--host", "127.0.0.1",
+        str(servers.BIN_DIR / "kvfleet"), "gateway", "--host", "127.0.0.1",
         "--port", str(port), "--admin-token", ADMIN_TOKEN, "--default-policy", policy, "--log-level", "warning",
         *extra_args,
     ]  # fmt: skip
     return servers.ServerCommand(
-        kind="gateway", argv=argv, env={}, base_url=f"http://127.0.0.1:{port}", request_model=None,
+        kind="gateway", argv=argv, env={"KVFLEET_REDIS_URL": redis_url}, base_url=f"http://127.0.0.1:{port}",
+        request_model=None,
         extra_body_for="kvfleet",
     )  # fmt: skip
 
@@ -202,7 +151,7 @@ class Fleet:
     gateway_env: dict[str, str] = field(default_factory=dict)
     gateway_wrapper: Sequence[str] = ()  # argv prefix for the gateway (a profiler)
     startup_timeout_s: float = 180.0
-    redis: RedisProcess | None = None
+    redis: BenchRedis | None = None
     engines: list[servers.ServerProcess] = field(default_factory=list)
     gateway: servers.ServerProcess | None = None
     api_key: str | None = None
@@ -210,7 +159,7 @@ class Fleet:
 
     def __enter__(self) -> Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisProcess(self.log_dir)
+        self.redis = BenchRedis(self.log_dir)
         self.redis.start()
         return self
 
@@ -218,7 +167,7 @@ class Fleet:
         self.stop_gateway()
         self.stop_replicas()
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()
 
     @property
     def gateway_url(self) -> str:

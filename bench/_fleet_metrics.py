@@ -1,5 +1,5 @@
 """What the gateway benchmarks read off a running fleet: Prometheus samples scraped from ``/metrics``
-(gateway and engines), Redis's own command counts between two ``RedisProcess.command_stats`` snapshots, and
+(gateway and engines), Redis's own command counts between two ``BenchRedis.command_stats`` snapshots, and
 the CPU seconds of the fleet's process trees (``/proc``).
 """
 

@@ -3,7 +3,9 @@
 It starts, each as its own process in its own session (so a Ctrl-C in the terminal reaches only this
 program, which then stops them in order):
 
-1. ``redis-server`` on 127.0.0.1 (a free port unless ``--redis-port``), no persistence;
+1. ``redis-server`` on 127.0.0.1 (a free port unless ``--redis-port``), no persistence, requiring a random
+   password (like the chart's Redis), which reaches it in a config file and the engines and the gateway in
+   their environment (``KVFLEET_REDIS_URL``), never on a command line;
 2. ``--replicas`` engine replicas, ``kvfleet engine serve``, of the model (default: the ``small`` demo model,
    built once with ``kvfleet demo-model`` into ``~/.cache/kvfleet/demo-llama-small``);
 3. the gateway, ``kvfleet gateway``, on ``--port``, sharing the admin token with the engines so it can sleep
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvfleet_common import replica_credentials
+from kvfleet_common.redis_url import mask_url
 from kvfleet_devkit.processes import free_port
 
 T = TypeVar("T")
@@ -86,12 +90,13 @@ class Children:
     env: dict[str, str]
     started: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str]) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start ``argv`` with this run's environment plus ``env``."""
         log_path = self.run_dir / f"{name}.log"
         with log_path.open("wb") as log:  # this run's output only (a reused --run-dir)
             proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True,
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.env, **(env or {})}, start_new_session=True,
             )  # fmt: skip
         child = Child(name, proc, log_path)
         self.started.append(child)
@@ -236,23 +241,32 @@ def demo_model(children: Children, out: Path, timeout: float) -> Path:
 
 
 def start_redis(children: Children, port: int) -> str:
+    """redis-server requiring a random password (from a config file only this user can read); its URL."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise UpError("redis-server is not installed (Debian/Ubuntu: sudo apt-get install redis-server)")
     data = children.run_dir / "redis"
     data.mkdir(exist_ok=True)
+    password = secrets.token_hex(16)
+    config = data / "redis.conf"
+    config.unlink(missing_ok=True)  # a reused --run-dir: created anew with mode 0600
+    with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(f"requirepass {password}\n")
     children.start("redis-server", [
-        exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        exe, str(config), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
         "--dir", str(data), "--protected-mode", "no",
     ])  # fmt: skip
 
     def pong() -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            replies = b""
+            while replies.count(b"\r\n") < 2 and (chunk := s.recv(64)):
+                replies += chunk
+            return replies == b"+OK\r\n+PONG\r\n"
 
     wait_for(children, "redis-server to answer PING", pong, 30)
-    return f"redis://127.0.0.1:{port}/0"
+    return f"redis://:{password}@127.0.0.1:{port}/0"
 
 
 @dataclass(slots=True)
@@ -270,22 +284,28 @@ def bring_up(args: argparse.Namespace, children: Children) -> Platform:
     model_dir = Path(model_dir).resolve()
     mml = max_model_len(model_dir, args.max_model_len)
     redis_url = start_redis(children, args.redis_port or free_port())
-    say(f"redis-server: {redis_url}; model {model_dir} served as {args.model_name!r}")
+    redis_env = {"KVFLEET_REDIS_URL": redis_url}  # the password stays off every command line
+    # Replica credentials as the operator issues them: the gateway holds the root, the engines their model's key
+    # (and derive their admin token from it), so the gateway routes only to replicas that signed their heartbeats.
+    root = replica_credentials.new_root()
+    model_key = replica_credentials.model_key(bytes.fromhex(root), args.model_name)
+    engine_env = {**redis_env, "KVFLEET_REPLICA_KEY": model_key.hex()}
+    say(f"redis-server: {mask_url(redis_url)}; model {model_dir} served as {args.model_name!r}")
     engines = []
     for i in range(args.replicas):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         children.start(f"engine-{i}", [
             *KVFLEET, "engine", "serve", "--model", str(model_dir), "--served-model-name", args.model_name,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(mml), "--redis-url", redis_url,
-            f"--admin-token={args.admin_token}", "--replica-name", f"{args.model_name}-{i}", "--base-url", url,
-        ])  # fmt: skip
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(mml),
+            "--replica-name", f"{args.model_name}-{i}", "--base-url", url,
+        ], env=engine_env)  # fmt: skip
         engines.append(url)
     gateway = f"http://127.0.0.1:{args.port}"
     children.start("gateway", [
-        *KVFLEET, "gateway", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(args.port),
+        *KVFLEET, "gateway", "--host", "127.0.0.1", "--port", str(args.port),
         f"--admin-token={args.admin_token}",
-    ])  # fmt: skip
+    ], env={**redis_env, "KVFLEET_REPLICA_KEY_ROOT": root})  # fmt: skip
     say(f"waiting for {args.replicas} engine replica(s) to load the model and for the gateway...")
     for url in [gateway, *engines]:
         wait_for(children, f"{url}/health", lambda u=url: http("GET", f"{u}/health")[0] == 200, args.timeout)
@@ -428,7 +448,8 @@ def main(argv: list[str]) -> int:
     run_dir = (args.run_dir or Path(tempfile.mkdtemp(prefix="kvfleet-up-"))).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env = {k: v for k, v in env.items() if not k.startswith("KVFLEET_")}  # flags say everything
+    # the flags (and Children.start's env) say everything
+    env = {k: v for k, v in env.items() if not k.startswith("KVFLEET_")}
     children = Children(run_dir, env)
     say(f"run dir {run_dir}")
 

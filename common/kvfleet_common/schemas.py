@@ -47,6 +47,10 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True):
     with the block set, to the sequence number of the last event the index reflects.
     ``kv_seq_emitted`` is the engine's latest event number when the heartbeat was sent, so
     ``kv_seq_emitted - kv_seq_applied`` is how far the index lags behind the engine.
+
+    ``signature``: the engine's proof that it belongs to ``model`` (``kvfleet_common.replica_credentials``,
+    over model, replica id, URL, state and ``updated_at`` as the issued-at time); "" = unsigned (an engine
+    without a replica key, or a record written before signing existed).
     """
 
     replica_id: str  # "<name>#<boot epoch ms>"
@@ -68,6 +72,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True):
     version: str = ""  # kvfleet version of the engine
     kv_seq_emitted: NonNegInt = 0
     kv_seq_applied: NonNegInt = 0
+    signature: str = ""
 
     def __post_init__(self) -> None:
         name, _ = redis_keys.parse_replica_id(self.replica_id)

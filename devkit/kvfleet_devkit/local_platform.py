@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from kvfleet_common.replica_credentials import new_root
 from kvfleet_devkit.kube_emulator import KubeEmulator
 from kvfleet_devkit.podrunner import PodRunner
 from kvfleet_devkit.processes import free_port, kill_group
@@ -122,6 +123,7 @@ class LocalPlatform:
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-local-")).resolve()
         self.with_gateway = with_gateway
         self.admin_token = admin_token
+        self.replica_key_root = new_root()  # the operator's and the gateway's, as the chart gives them
         self.operator_idle_check_s = operator_idle_check_s
         self.probe_period_s = probe_period_s
         self.gateway_port = gateway_port
@@ -238,7 +240,6 @@ class LocalPlatform:
         cmd = [
             sys.executable, "-m", "kvfleet_cli.main", "operator",
             f"--server={self.kube_url}",
-            f"--redis-url={self.redis_url}",
             f"--admin-token={self.admin_token}",
             f"--operator-namespace={OPERATOR_NAMESPACE}",
             f"--engine-image={ENGINE_IMAGE}",
@@ -249,10 +250,13 @@ class LocalPlatform:
         ]  # fmt: skip
         if self.otlp_endpoint:
             cmd.append(f"--otlp-endpoint={self.otlp_endpoint}")
+        env = {**os.environ, "KVFLEET_REDIS_URL": self.redis_url,  # the secrets stay off the command line
+               "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root}  # fmt: skip
         with (self.work_dir / "operator.log").open("ab") as out:
             self.operator = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=env,
+            )  # fmt: skip
 
         def healthy() -> bool:
             assert self.operator is not None
@@ -268,19 +272,20 @@ class LocalPlatform:
         wait_for(healthy, STARTUP_TIMEOUT_S, "the operator did not report healthy", interval=0.2)
 
     def start_gateway(self) -> None:
-        """Start ``kvfleet gateway`` against this platform's Redis (admin token = the operator's, so it can
-        sleep and wake the engines), wait until ``/health`` answers, and set ``gateway_url``."""
+        """Start ``kvfleet gateway`` against this platform's Redis (the operator's admin token and replica key
+        root: it routes to the engines the operator keyed, and sleeps and wakes them with their models' derived
+        admin tokens), wait until ``/health`` answers, and set ``gateway_url``."""
         if importlib.util.find_spec("kvfleet_gateway") is None:
             raise RuntimeError("the gateway is not installed: pip install -e '.[gateway]'")
         port = self.gateway_port or free_port()
         cmd = [
             sys.executable, "-m", "kvfleet_cli.main", "gateway",
-            "--redis-url", self.redis_url,
             "--host", "127.0.0.1",
             "--port", str(port),
             f"--admin-token={self.admin_token}",  # "=": a token may start with "-"
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVFLEET_REDIS_URL": self.redis_url,
+               "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root}  # fmt: skip
         if self.otlp_endpoint:
             env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, **OTEL_FAST_EXPORT}
         with (self.work_dir / "gateway.log").open("ab") as out:

@@ -1,5 +1,11 @@
-"""A real ``redis-server`` for tests, benchmarks and the local platform: free port, temp dir, no persistence;
-restartable on the same port.
+"""A real ``redis-server`` for tests, benchmarks and the local platform: free port, temp dir, no persistence,
+a password (random unless given); restartable on the same port with the same password.
+
+The password is what the chart's Redis requires too, so every test, benchmark and ``kvfleet up`` run takes the
+authenticated path: ``.url`` carries it (``redis://:PASSWORD@127.0.0.1:PORT/0``); ``.password`` is it.
+``RedisServer(require_password=False)`` is the exception, for a test that needs a Redis without one. The
+password goes to redis-server in a config file (mode 0600, in the work dir), never on its command line, where
+any local user could read it in the process list.
 
 Tests use it through the ``redis_server`` fixture in ``tests/conftest.py``::
 
@@ -11,18 +17,30 @@ Tests use it through the ``redis_server`` fixture in ``tests/conftest.py``::
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import redis
+import redis.exceptions
+
 from kvfleet_devkit.processes import free_port
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        workdir: Path | None = None,
+        *,
+        password: str | None = None,
+        require_password: bool = True,
+    ) -> None:
+        """``password``: the one Redis requires (default: a random one); ``require_password=False``: none."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
@@ -31,10 +49,17 @@ class RedisServer:
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kvf-redis-"))
         self.proc: subprocess.Popen | None = None
+        self.password = (password or secrets.token_hex(16)) if require_password else None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL clients use, with the password."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A new sync client of this server (authenticated); the caller closes it."""
+        return redis.Redis.from_url(self.url, **kwargs)  # type: ignore[arg-type]
 
     @property
     def running(self) -> bool:
@@ -45,8 +70,8 @@ class RedisServer:
             return
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "no"],
+            [self.exe, str(self._write_config()), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
         )  # fmt: skip
         log.close()
@@ -80,22 +105,27 @@ class RedisServer:
         self.start()
 
     def flush(self) -> None:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-            s.sendall(b"*1\r\n$8\r\nFLUSHALL\r\n")
-            if not s.recv(64).startswith(b"+OK"):
-                raise RuntimeError("FLUSHALL failed")
+        with self.client(socket_timeout=2) as client:
+            client.flushall()
 
     def close(self) -> None:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def _write_config(self) -> Path:
+        """The config file holding the password (readable by this user only)."""
+        path = self.workdir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\n" if self.password else "")
+        return path
+
     def _ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
+            with self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+                return bool(client.ping())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             return False
 
     def _log_tail(self) -> str:

@@ -13,6 +13,14 @@ arrives, new events are dropped: the snapshot subsumes them.
 Redis unavailable: the engine keeps serving; the thread retries with capped exponential backoff
 and logs once when the outage starts and once when it ends. Events queue up to
 ``max_queued_events``; beyond that the queue is dropped and a resync requested.
+
+Redis refusing the credentials (a wrong or missing password in KVFLEET_REDIS_URL) is treated the same way
+(the engine keeps serving, invisible to the gateways), but logged as an ERROR naming the Redis (password
+masked) and what to check, and ``credentials_refused`` is set; the thread keeps retrying, so a
+password fixed on the Redis side is picked up without a restart.
+
+Every heartbeat is signed with the replica key (``kvfleet_common.replica_credentials``) when one is given:
+gateways holding the platform's replica key root route only to replicas whose heartbeats verify.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import redis
 import redis.exceptions
 from redis.backoff import NoBackoff
@@ -35,6 +44,8 @@ from kvfleet_common.fleet_store.kv_index import EVENT_BATCH, KVEvent
 from kvfleet_common.fleet_store.runner import SupersededError
 from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.fleet_store.tokenizers import tokenizer_revision
+from kvfleet_common.redis_url import credentials_message, is_credentials_error
+from kvfleet_common.replica_credentials import sign_heartbeat
 from kvfleet_common.schemas import REPLICA_STATES, Heartbeat, ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -81,6 +92,7 @@ class PresencePublisher:
         max_queued_events: int = 200_000,
         max_backoff: float = 2.0,
         epoch: int | None = None,
+        replica_key: bytes | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < ttl:
             raise ValueError(f"need 0 < heartbeat_interval < ttl, got {heartbeat_interval} and {ttl}")
@@ -94,10 +106,12 @@ class PresencePublisher:
         self.max_queued_events = max_queued_events
         self.max_backoff = max_backoff
         self._stats = stats
+        self._replica_key = replica_key  # None: heartbeats go out unsigned
         self._tokenizer_files = dict(tokenizer_files) if tokenizer_files else None
         self.tokenizer_revision = tokenizer_revision(self._tokenizer_files) if self._tokenizer_files else ""
         self.started_at = time.time()
 
+        self._redis_url = redis_url  # only ever logged through credentials_message (masked)
         # Socket errors surface at once (no client-side retry loop): this thread owns retrying.
         self._store = FleetStore(
             redis.Redis.from_url(
@@ -121,6 +135,7 @@ class PresencePublisher:
 
         # Publisher-thread state (also read by tests).
         self.connected = False
+        self.credentials_refused = False  # Redis refused the password: see the module docstring
         self.superseded = False
         self.resyncs_requested = 0
         self.events_dropped = 0
@@ -247,6 +262,7 @@ class PresencePublisher:
                     logger.warning("presence: Redis is back after %.1f s", time.monotonic() - outage_since)
                     outage_since = None
                 self.connected = True
+                self.credentials_refused = False
                 backoff = 0.05
             except SupersededError as e:
                 logger.error("presence: %s; stopping the publisher (another process took over this name)", e)
@@ -255,9 +271,15 @@ class PresencePublisher:
                 return
             except _REDIS_ERRORS as e:
                 self.connected = False
-                if outage_since is None:
-                    outage_since = time.monotonic()
-                    logger.warning("presence: Redis unavailable (%s); the engine keeps serving, retrying", e)
+                refused = is_credentials_error(e)
+                if outage_since is None or refused != self.credentials_refused:
+                    outage_since = outage_since or time.monotonic()
+                    if refused:
+                        message = credentials_message(self._redis_url, e)
+                        logger.error("presence: %s; the engine keeps serving, unseen by gateways", message)
+                    else:
+                        logger.warning("presence: Redis unavailable (%s); the engine keeps serving, retrying", e)  # fmt: skip
+                self.credentials_refused = refused
                 self._sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
@@ -304,6 +326,8 @@ class PresencePublisher:
             max_model_len=self.max_model_len, tokenizer_revision=self.tokenizer_revision,
             started_at=self.started_at, updated_at=now, version=__version__, kv_seq_emitted=seq,
         )  # fmt: skip
+        if self._replica_key is not None:
+            hb = msgspec.structs.replace(hb, signature=sign_heartbeat(self._replica_key, hb))
         existed = self._store.publish_heartbeat(hb, ttl=self.ttl)
         if not existed and not self._first_beat:
             # Redis restarted empty, or we were silent past the TTL: everything we wrote is gone.

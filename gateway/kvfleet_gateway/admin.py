@@ -1,8 +1,9 @@
 """Admin API: tenants and their API keys, models and replicas, usage, sleep / wake.
 
-Authenticated with ``Authorization: Bearer <admin token>`` (``--admin-token`` / ``KVFLEET_ADMIN_TOKEN``,
-the token the engines' admin endpoints take). API keys are shown once, at creation; Redis stores only
-their SHA-256.
+Authenticated with ``Authorization: Bearer <admin token>`` (``--admin-token`` / ``KVFLEET_ADMIN_TOKEN``).
+API keys are shown once, at creation; Redis stores only their SHA-256. Sleep and wake reach only verified
+replicas, with their model's own admin token (``kvfleet_gateway.replica_trust``); the models listing shows
+verified replicas and counts the others (``unverified_replicas``).
 
 Tenant names follow the Tenant resource's rule (``redis_keys.check_tenant_name``: lowercase DNS-style,
 one URL path segment). ``POST /admin/tenants`` only ever creates (atomically: of concurrent creates of a
@@ -223,12 +224,14 @@ def build_admin_router() -> APIRouter:
         store = st.store
         out = []
         for name in await store.list_models():
-            replicas, policy = await asyncio.gather(store.live_replicas(name), store.get_model_policy(name))
+            live, policy = await asyncio.gather(store.live_replicas(name), store.get_model_policy(name))
+            replicas, unverified = st.trust.split(live)
             out.append({
                 "name": name,
                 "routing_policy": policy.routing_policy if policy else st.config.default_policy,
                 "config": msgspec.to_builtins(policy) if policy else None,
                 "replicas": [_replica_json(hb, st) for hb in replicas],
+                "unverified_replicas": len(unverified),
             })  # fmt: skip
         return {"data": out}
 
@@ -250,9 +253,9 @@ def build_admin_router() -> APIRouter:
             redis_keys.check_name(model, "model")
         except ValueError as e:
             raise ApiError(400, str(e), param="model") from None
-        replicas = await state(request).store.live_replicas(model)
+        replicas = state(request).trust.verified(await state(request).store.live_replicas(model))
         if not replicas:
-            raise ApiError(404, f"no live replica of model {model!r}", code="model_not_found")
+            raise ApiError(404, f"no live (verified) replica of model {model!r}", code="model_not_found")
         if replica is not None:
             replicas = [hb for hb in replicas if replica in (hb.replica_id, hb.name)]
             if not replicas:
@@ -267,7 +270,7 @@ def build_admin_router() -> APIRouter:
         st = state(request)
         targets = [hb for hb in await _replicas(request, model, replica) if hb.state in ("awake", "sleeping")]
         results = await asyncio.gather(
-            *(call_replica(st.http, hb, "sleep", st.config.admin_token, level) for hb in targets)
+            *(call_replica(st.http, hb, "sleep", st.trust.admin_token(model), level) for hb in targets)
         )
         body = {
             "model": model,

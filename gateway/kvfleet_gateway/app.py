@@ -25,6 +25,7 @@ from kvfleet_common.openai_protocol import (
     ModelCard,
     ModelList,
 )
+from kvfleet_common.redis_url import mask_url
 from kvfleet_common.schemas import TenantRecord
 from kvfleet_common.server_kit.gc_heap import freeze_long_lived
 from kvfleet_common.server_kit.graceful import cancel_and_wait
@@ -39,6 +40,7 @@ from kvfleet_gateway.fleet import FleetView
 from kvfleet_gateway.load import LoadTracker
 from kvfleet_gateway.metrics import GatewayMetrics
 from kvfleet_gateway.proxy import Proxy
+from kvfleet_gateway.replica_trust import ReplicaTrust
 from kvfleet_gateway.store_calls import RedisUnavailable, StoreCalls
 from kvfleet_gateway.tenant_cache import TenantCache
 from kvfleet_gateway.tokenization import TokenizerCache
@@ -67,18 +69,17 @@ def build_app(config: GatewayConfig) -> FastAPI:
             socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=10,
         )  # fmt: skip
         calls = StoreCalls(store, metrics)
-        fleet = FleetView(calls, metrics, config.fleet_refresh_s, config.fleet_max_staleness_s)
+        trust = ReplicaTrust(config.replica_key_root, config.admin_token)
+        fleet = FleetView(calls, metrics, config.fleet_refresh_s, config.fleet_max_staleness_s, trust)
         http = Upstream(
             config.upstream_connect_timeout_s, config.upstream_read_timeout_s, config.max_upstream_connections
         )
         load = LoadTracker(config.gateway_id, calls, config.load_report_interval_s)
         tokenizers = TokenizerCache(lambda m, rev: calls("fetch_tokenizer", "background",
                                                          lambda: store.fetch_tokenizer(m, rev)))  # fmt: skip
-        waker = Waker(
-            fleet, calls, http, metrics, config.admin_token, config.gateway_id, config.wake_timeout_s
-        )
+        waker = Waker(fleet, calls, http, metrics, trust, config.gateway_id, config.wake_timeout_s)
         st = app.state
-        st.store, st.fleet, st.http, st.load, st.waker = store, fleet, http, load, waker
+        st.store, st.fleet, st.http, st.load, st.waker, st.trust = store, fleet, http, load, waker, trust
         st.tenants = TenantCache(calls, config.tenant_cache_ttl_s, config.fleet_max_staleness_s)
         st.proxy = Proxy(config, fleet, calls, load, tokenizers, waker, metrics, http)
         try:
@@ -89,7 +90,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         tasks = [asyncio.create_task(fleet.run(), name="fleet-refresh"),
                  asyncio.create_task(load.run(), name="load-report"),
                  asyncio.create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")]  # fmt: skip
-        logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, _redact(config.redis_url),
+        logger.info("gateway %s ready (redis %s, %d models)", config.gateway_id, mask_url(config.redis_url),
                     len(fleet.models))  # fmt: skip
         try:
             yield
@@ -179,10 +180,3 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     app.include_router(build_admin_router())
     return app
-
-
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -19,6 +19,8 @@ def default_gateway_id() -> str:
 class GatewayConfig:
     redis_url: str
     admin_token: str | None = None
+    # the platform's replica key root (kvfleet_gateway.replica_trust); None: every heartbeat is trusted
+    replica_key_root: bytes | None = None
     default_policy: str = "prefix-aware"  # for models without a policy in Redis
     gateway_id: str = field(default_factory=default_gateway_id)
     max_body_bytes: int = 32 << 20

@@ -4,6 +4,7 @@ Everything is read from Redis by background refreshes and kept as a snapshot, so
 never waits for store reads: the only Redis round trip on a request's path is the admission call
 (``FleetStore.admit``). When Redis is unreachable the last snapshot keeps serving for
 ``max_staleness`` seconds; after that the gateway answers 503 instead of routing on a stale map.
+Only replicas whose heartbeats verify (``kvfleet_gateway.replica_trust``) enter the snapshot.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvfleet_common.schemas import Heartbeat, ModelPolicy
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.replica_trust import ReplicaTrust
 from kvfleet_gateway.store_calls import REDIS_ERRORS, RedisUnavailable, StoreCalls
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,13 @@ class FleetView:
     Without a recent outage a missing model was deleted: 404 at once."""
 
     def __init__(
-        self, redis_calls: StoreCalls, metrics: GatewayMetrics, interval: float, max_staleness: float
-    ):
+        self, redis_calls: StoreCalls, metrics: GatewayMetrics, interval: float, max_staleness: float,
+        trust: ReplicaTrust | None = None,
+    ):  # fmt: skip
         self._redis = redis_calls
         self._metrics = metrics
+        self.trust = trust or ReplicaTrust(None, None)  # default: every heartbeat trusted (tests, no root)
+        self._unverified: dict[str, int] = {}  # model -> replicas left out of the last refresh
         self.interval = interval
         self.max_staleness = max_staleness
         self.models: dict[str, ModelView] = {}
@@ -111,8 +116,11 @@ class FleetView:
         store = self._redis.store
         names = await self._redis("list_models", "background", store.list_models)
         fresh: dict[str, ModelView] = {}
+        unverified: dict[str, int] = {}
         for name in names:
-            replicas = await self._redis("live_replicas", "background", lambda n=name: store.live_replicas(n))
+            live = await self._redis("live_replicas", "background", lambda n=name: store.live_replicas(n))
+            replicas, rejected = self.trust.split(live)
+            unverified[name] = len(rejected)
             policy = await self._redis(
                 "get_model_policy", "background", lambda n=name: store.get_model_policy(n)
             )
@@ -125,12 +133,16 @@ class FleetView:
                     fresh[name] = ModelView(name, [], old.policy)
         self._missing_since = {n: t for n, t in self._missing_since.items() if n in fresh and n not in listed}
         self.models = fresh
+        self._unverified = unverified
         self.refreshed_at = time.monotonic()
         self._publish_gauges()
         self._changed.set()
 
     def _publish_gauges(self) -> None:
         self._metrics.replicas.clear()
+        self._metrics.unverified_replicas.clear()
+        for name, n in self._unverified.items():
+            self._metrics.unverified_replicas.labels(name).set(n)
         for view in self.models.values():
             for state in ("starting", "awake", "sleeping", "draining"):
                 n = sum(1 for hb in view.replicas if hb.state == state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from kvfleet_common.server_kit.connection_flags import add_connection_args, uvicorn_connection_options
 from kvfleet_gateway.routing import POLICIES
@@ -27,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-token",
         default=os.environ.get("KVFLEET_ADMIN_TOKEN"),
-        help="bearer token of the admin API and of the engines' admin endpoints (env KVFLEET_ADMIN_TOKEN)",
+        help="bearer token of the admin API (env KVFLEET_ADMIN_TOKEN); without --replica-key-root also the "
+        "engines' admin token",
+    )
+    p.add_argument(
+        "--replica-key-root",
+        default=os.environ.get("KVFLEET_REPLICA_KEY_ROOT"),
+        help="the platform's replica key root (hex, env KVFLEET_REPLICA_KEY_ROOT; the operator's): route only "
+        "to replicas whose heartbeats verify, and call each model's engines with that model's derived admin "
+        "token. Without it every replica in Redis is trusted (local development only)",
     )
     p.add_argument(
         "--default-policy",
@@ -102,6 +111,8 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
+    from kvfleet_common.redis_url import RedisCredentialsError, check_credentials, mask_url
+    from kvfleet_common.replica_credentials import parse_key
     from kvfleet_common.server_kit.gc_heap import mark_server_process
     from kvfleet_common.server_kit.graceful import BoundedShutdownServer
     from kvfleet_common.server_kit.tracing import setup_tracing
@@ -116,8 +127,10 @@ def main(argv: list[str]) -> int:
     setup_tracing("kvfleet-gateway")
     kw = {"gateway_id": args.gateway_id} if args.gateway_id else {}
     try:
+        root = parse_key(args.replica_key_root) if args.replica_key_root else None
         config = GatewayConfig(
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
+            replica_key_root=root,
             max_body_bytes=args.max_request_body_bytes, wake_timeout_s=args.wake_timeout,
             fleet_max_staleness_s=args.registry_max_staleness, recent_routes_ttl_s=args.recent_routes_ttl,
             fleet_refresh_s=args.registry_refresh, fast_path=args.fast_path,
@@ -126,6 +139,20 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"kvfleet gateway: {e}")
         return 2
+    # Fail fast on a wrong or missing password; a Redis that is merely down is waited for (503s meanwhile).
+    try:
+        if not check_credentials(args.redis_url):
+            logging.getLogger("kvfleet_gateway").warning(
+                "Redis at %s is not reachable yet; starting anyway and retrying", mask_url(args.redis_url)
+            )
+    except RedisCredentialsError as e:
+        print(f"kvfleet gateway: {e}", file=sys.stderr)
+        return 2
+    if root is None:
+        logging.getLogger("kvfleet_gateway").warning(
+            "NO REPLICA KEY ROOT (--replica-key-root / KVFLEET_REPLICA_KEY_ROOT): every replica registered in "
+            "Redis gets traffic and the engines' admin token, whoever registered it. Local development only."
+        )
     app = build_app(config)
     mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.server_kit.gc_heap)
     try:

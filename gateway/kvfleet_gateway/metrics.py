@@ -124,3 +124,8 @@ class GatewayMetrics:
             "kvfleet_gateway_replicas", "Replicas the gateway sees per model and state", ["model", "state"],
             registry=r,
         )  # fmt: skip
+        self.unverified_replicas = Gauge(
+            "kvfleet_gateway_unverified_replicas",
+            "Replicas in Redis whose heartbeat does not verify with the model's replica key (forged, unsigned, "
+            "stale or from another model's engines): left out of routing and admin calls", ["model"], registry=r,
+        )  # fmt: skip

@@ -4,6 +4,9 @@ Within a gateway, concurrent requests share one wake task per model; across gate
 lock (``SET NX PX``) lets one gateway send the engines' ``/wake_up`` while the others wait for the
 heartbeats to say ``awake``. Every waiter gives up after ``timeout`` seconds with a 503, and at once
 (503 ``gateway_shutdown``) when the gateway's shutdown grace period ends (``stop``).
+
+Only verified replicas are ever called (the fleet snapshot and the admin API hold no others), with the model's
+own admin token (``ReplicaTrust.admin_token``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvfleet_common.schemas import Heartbeat
 from kvfleet_common.server_kit.http import ApiError
 from kvfleet_gateway.fleet import FleetView
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.replica_trust import ReplicaTrust
 from kvfleet_gateway.store_calls import REDIS_ERRORS, StoreCalls
 from kvfleet_gateway.upstream import Upstream, UpstreamConnectError, UpstreamReadError
 
@@ -48,13 +52,13 @@ def _shutting_down() -> ApiError:
 class Waker:
     def __init__(
         self, fleet: FleetView, redis_calls: StoreCalls, client: Upstream, metrics: GatewayMetrics,
-        admin_token: str | None, holder: str, timeout: float,
+        trust: ReplicaTrust, holder: str, timeout: float,
     ) -> None:  # fmt: skip
         self.fleet = fleet
         self.redis = redis_calls
         self.client = client
         self.metrics = metrics
-        self.admin_token = admin_token
+        self.trust = trust
         self.holder = holder
         self.timeout = timeout
         self._tasks: dict[str, asyncio.Task] = {}
@@ -83,10 +87,10 @@ class Waker:
         task.result()  # the wake's own outcome (its 503 on timeout)
 
     async def wake_replicas(self, model: str, replicas: list[Heartbeat]) -> dict[str, str]:
-        """Wake ``replicas`` now (admin path and wake-on-request): replica id -> "ok" or the error."""
-        results = await asyncio.gather(
-            *(call_replica(self.client, hb, "wake", self.admin_token) for hb in replicas)
-        )
+        """Wake ``replicas`` (verified ones: see the module docstring) now (admin path and wake-on-request):
+        replica id -> "ok" or the error."""
+        token = self.trust.admin_token(model)
+        results = await asyncio.gather(*(call_replica(self.client, hb, "wake", token) for hb in replicas))
         out = {}
         for hb, (ok, detail) in zip(replicas, results):
             out[hb.replica_id] = detail
@@ -121,7 +125,7 @@ class Waker:
             except REDIS_ERRORS:
                 got = True  # without Redis, de-duplication across gateways is lost; waking still works
             if got:
-                if not self.admin_token:
+                if not self.trust.admin_token(model):
                     raise ApiError(503, f"the model {model!r} is asleep and this gateway has no admin token "
                                    "to wake it", code="model_sleeping", headers={"Retry-After": "30"})  # fmt: skip
                 try:

@@ -4,13 +4,18 @@ Same ModelSpec and OperatorConfig in, same dicts out: nothing here talks to a se
 unit-tested and validated against the Kubernetes OpenAPI schemas without a cluster.
 
 Naming: the Deployment, headless Service, ConfigMap, PodDisruptionBudget and (when enabled) NetworkPolicy
-take the model's name; the Secret with the engine's Redis URL and admin token is ``<name>-credentials``. All
+take the model's name; the Secret with the engine's credentials is ``<name>-credentials``. All
 carry the labels of `labels()` and a controller ownerReference to the InferenceModel, so deleting the model
 deletes them.
 
 Engine pods pass the Pod Security Standard "restricted" (non-root, RuntimeDefault seccomp, no privilege
 escalation, every capability dropped) with a read-only root filesystem: what the engine writes goes to
 emptyDirs (`WRITABLE_DIRS`).
+
+Credentials (docs/SECURITY.md): with the platform's replica key root, a model's Secret holds the Redis URL, the
+model's replica key (it signs the engines' heartbeats) and the admin token derived from it, never the platform
+admin token, so rotating that token touches no engine. The pod template names the key's fingerprint: a new
+root rolls the engines onto their new keys.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import math
 from typing import Any
 
+from kvfleet_common import replica_credentials
 from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_operator import crds
 from kvfleet_operator.spec import ENGINE_PORT, MODEL_MOUNT, ModelSpec, OperatorConfig
@@ -32,6 +38,8 @@ MANAGER = "kvfleet-operator"
 CONFIG_HASH_ANNOTATION = "kvfleet.io/config-hash"
 CREDENTIALS_REDIS_KEY = "redis-url"
 CREDENTIALS_TOKEN_KEY = "admin-token"
+CREDENTIALS_REPLICA_KEY = "replica-key"
+REPLICA_KEY_ID_ANNOTATION = "kvfleet.io/replica-key-id"
 CONFIG_MOUNT = "/etc/kvfleet"
 STARTUP_PROBE_PERIOD = 10
 HEALTH_PATH = "/health"
@@ -91,6 +99,14 @@ def credentials_secret_name(model: ModelSpec) -> str:
     return f"{model.name}-credentials"
 
 
+def model_key(model: ModelSpec, config: OperatorConfig) -> bytes | None:
+    """The model's replica key (for its served name, the model heartbeats carry); None without a root."""
+    if not config.replica_key_root:
+        return None
+    root = replica_credentials.parse_key(config.replica_key_root)
+    return replica_credentials.model_key(root, model.served_name)
+
+
 def engine_image(model: ModelSpec, config: OperatorConfig) -> str:
     if model.engine.image:
         return model.engine.image
@@ -144,6 +160,12 @@ def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]
     secret = credentials_secret_name(model)
     own = copy.deepcopy(list(model.engine.env))
     taken = {e.get("name") for e in own}
+    replica_key = [
+        {
+            "name": "KVFLEET_REPLICA_KEY",
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": CREDENTIALS_REPLICA_KEY}},
+        }
+    ]
     return [
         {
             "name": "KVFLEET_REDIS_URL",
@@ -153,6 +175,7 @@ def _engine_env(model: ModelSpec, config: OperatorConfig) -> list[dict[str, Any]
             "name": "KVFLEET_ADMIN_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": secret, "key": CREDENTIALS_TOKEN_KEY}},
         },
+        *(replica_key if config.replica_key_root else []),
         {"name": "KVFLEET_REPLICA_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KVFLEET_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # $(VAR) references are expanded by the kubelet from variables defined earlier in the list.
@@ -338,12 +361,14 @@ def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
         pod_spec["affinity"] = copy.deepcopy(model.affinity)
     if model.priority_class_name:
         pod_spec["priorityClassName"] = model.priority_class_name
+    # A changed ConfigMap rolls the pods, like a changed spec does; so does a new replica key (a rotated
+    # root), which the running engines would otherwise keep signing with, unverified.
+    annotations = {CONFIG_HASH_ANNOTATION: config_hash(config_map(model, config))}
+    key = model_key(model, config)
+    if key is not None:
+        annotations[REPLICA_KEY_ID_ANNOTATION] = replica_credentials.key_id(key)
     return {
-        "metadata": {
-            "labels": {**labels(model), **config.extra_pod_labels},
-            # A changed ConfigMap rolls the pods, like a changed spec does.
-            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_map(model, config))},
-        },
+        "metadata": {"labels": {**labels(model), **config.extra_pod_labels}, "annotations": annotations},
         "spec": pod_spec,
     }
 
@@ -428,20 +453,26 @@ def config_map(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
 
 
 def credentials_secret(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
-    """Per-model copy of the platform credentials (Secrets cannot be referenced across namespaces)."""
+    """The model's engine credentials, in its namespace (Secrets cannot be referenced across namespaces): the
+    Redis URL, and the model's own replica key and admin token; the platform admin token only without a root."""
 
     def b64(text: str) -> str:
         return base64.b64encode(text.encode()).decode()
 
+    key = model_key(model, config)
+    if key is None:
+        own = {CREDENTIALS_TOKEN_KEY: b64(config.admin_token)}
+    else:
+        own = {
+            CREDENTIALS_REPLICA_KEY: b64(key.hex()),
+            CREDENTIALS_TOKEN_KEY: b64(replica_credentials.engine_admin_token(key)),
+        }
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(model, credentials_secret_name(model)),
         "type": "Opaque",
-        "data": {
-            CREDENTIALS_REDIS_KEY: b64(config.redis_url),
-            CREDENTIALS_TOKEN_KEY: b64(config.admin_token),
-        },
+        "data": {CREDENTIALS_REDIS_KEY: b64(config.redis_url), **own},
     }
 
 

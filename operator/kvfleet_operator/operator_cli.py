@@ -52,7 +52,19 @@ def _crds_main(argv: list[str]) -> int:
 def _config_args(p: argparse.ArgumentParser) -> None:
     defaults = OperatorConfig()
     p.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", defaults.redis_url))
-    p.add_argument("--admin-token", default=os.environ.get("KVFLEET_ADMIN_TOKEN", defaults.admin_token))
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVFLEET_ADMIN_TOKEN", defaults.admin_token),
+        help="the platform admin token (env KVFLEET_ADMIN_TOKEN); engines get it only without --replica-key-root",
+    )
+    p.add_argument(
+        "--replica-key-root",
+        type=_replica_key_root,
+        default=os.environ.get("KVFLEET_REPLICA_KEY_ROOT", defaults.replica_key_root),
+        help="the platform's replica key root (hex, env KVFLEET_REPLICA_KEY_ROOT; the gateways'): each model's "
+        "engines get only their model's derived key and admin token. Empty: the platform admin token and "
+        "unsigned heartbeats (local development only)",
+    )
     p.add_argument(
         "--engine-image",
         default=os.environ.get("KVFLEET_ENGINE_IMAGE", defaults.engine_image),
@@ -94,6 +106,17 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _replica_key_root(text: str) -> str:
+    from kvfleet_common.replica_credentials import parse_key
+
+    if text:
+        try:
+            parse_key(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip()
+
+
 def _peers(text: str) -> tuple[dict, ...]:
     try:
         peers = json.loads(text)
@@ -111,6 +134,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         namespace=args.operator_namespace,
         redis_url=args.redis_url,
         admin_token=args.admin_token,
+        replica_key_root=args.replica_key_root,
         gpu_resource=args.gpu_resource,
         shm_size=args.shm_size,
         otlp_endpoint=args.otlp_endpoint,
@@ -207,10 +231,26 @@ def run_parser() -> argparse.ArgumentParser:
 def _run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
 
+    from kvfleet_common.redis_url import RedisCredentialsError, check_credentials, mask_url
     from kvfleet_operator.runner import run_operator
 
+    # Fail fast on a wrong or missing password (the engines would get the same URL); a Redis that is merely
+    # down is retried by the handlers that need it.
+    try:
+        if not check_credentials(args.redis_url):
+            print(f"kvfleet operator: Redis at {mask_url(args.redis_url)} is not reachable yet; starting anyway",
+                  file=sys.stderr)  # fmt: skip
+    except RedisCredentialsError as e:
+        print(f"kvfleet operator: {e}", file=sys.stderr)
+        return 2
+
+    config = config_from(args)
+    if not config.replica_key_root:
+        print("kvfleet operator: NO REPLICA KEY ROOT (--replica-key-root / KVFLEET_REPLICA_KEY_ROOT): engines get "
+              "the platform admin token and publish unsigned heartbeats. Local development only.",
+              file=sys.stderr)  # fmt: skip
     run_operator(
-        config_from(args),
+        config,
         namespaces=args.namespace,
         peering=None if args.standalone else args.peering,
         priority=args.priority if args.priority is not None else random.randint(1, 1_000_000),

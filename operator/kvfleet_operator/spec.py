@@ -215,7 +215,11 @@ class OperatorConfig:
     )
     namespace: str = "kvfleet-system"  # where the operator runs; default namespace of Tenant Secrets
     redis_url: str = "redis://localhost:6379/0"
-    admin_token: str = ""
+    admin_token: str = ""  # the platform's: the gateway's admin API; engines get it only without a root
+    # The platform's replica key root (hex; kvfleet_common.replica_credentials): each model's engines get only
+    # their model's key and derived admin token. Empty: engines get the platform admin token, unsigned
+    # heartbeats (local development only).
+    replica_key_root: str = ""
     gpu_resource: str = "nvidia.com/gpu"
     shm_size: str = "8Gi"
     extra_pod_labels: dict[str, str] = field(default_factory=dict)

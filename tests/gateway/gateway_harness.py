@@ -1,4 +1,8 @@
-"""Real processes for gateway tests: a redis-server, ``kvfleet engine serve`` replicas, ``kvfleet gateway``."""
+"""Real processes for gateway tests: a redis-server, ``kvfleet engine serve`` replicas, ``kvfleet gateway``.
+
+Like the chart, the harness gives every gateway the platform's replica key root and every engine its model's
+replica key and derived admin token, so the verified path (``kvfleet_gateway.replica_trust``) is the tested one.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 
+from kvfleet_common import replica_credentials
 from kvfleet_common.fleet_store.store import FleetStore
+from kvfleet_common.schemas import Heartbeat
 from kvfleet_devkit.redis_server import RedisServer
 from tests.server.server_harness import (
     ADMIN_TOKEN,
@@ -25,6 +32,21 @@ from tests.server.server_harness import (
 )
 
 MODEL = "tiny"
+REPLICA_KEY_ROOT = "5eed" * 16  # the platform's replica key root of every test gateway
+
+
+def model_key(model: str = MODEL) -> bytes:
+    return replica_credentials.model_key(bytes.fromhex(REPLICA_KEY_ROOT), model)
+
+
+def engine_admin_token(model: str = MODEL) -> str:
+    return replica_credentials.engine_admin_token(model_key(model))
+
+
+def signed(hb: Heartbeat, key: bytes | None = None) -> Heartbeat:
+    """``hb`` signed as an engine of its model would (or with ``key``: a forger's)."""
+    key = model_key(hb.model) if key is None else key
+    return msgspec.structs.replace(hb, signature=replica_credentials.sign_heartbeat(key, hb))
 
 
 def wait_until(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
@@ -83,7 +105,8 @@ def run_gateway(redis_url: str, log_dir: Path, *extra: str, env: dict | None = N
            "--host", "127.0.0.1", "--port", str(port), "--admin-token", ADMIN_TOKEN, *extra]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
+                                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                     "KVFLEET_REPLICA_KEY_ROOT": REPLICA_KEY_ROOT, **(env or {})})  # fmt: skip
     handle = GatewayHandle(proc, f"http://127.0.0.1:{port}", log_path)
     try:
 
@@ -129,14 +152,18 @@ class Fleet:
         return store
 
     def start_engines(self, n: int, *extra: str, env: dict | None = None) -> list[ServerHandle]:
+        """Replicas of ``MODEL`` holding its replica key and derived admin token (the operator's Secret)."""
         started = []
+        credentials = {"KVFLEET_REPLICA_KEY": model_key().hex()}
         for _ in range(n):
             port = free_port()
             name = f"{MODEL}-{len(self.engines)}"
             handle = self._stack.enter_context(run_server(
                 self.model_dir, self.log_dir, "--max-model-len", "512", "--redis-url", self.redis.url,
-                "--replica-name", name, "--base-url", f"http://127.0.0.1:{port}", *extra, name=MODEL, port=port, env=env,
+                "--replica-name", name, "--base-url", f"http://127.0.0.1:{port}",
+                f"--admin-token={engine_admin_token()}", *extra, name=MODEL, port=port, env=credentials | (env or {}),
             ))  # fmt: skip
+            handle.admin_token = engine_admin_token()
             self.engines.append(handle)
             started.append(handle)
         store = self.store()

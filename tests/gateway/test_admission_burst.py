@@ -20,7 +20,7 @@ import pytest
 from kvfleet_common import redis_keys
 from kvfleet_common.schemas import ModelPolicy
 from kvfleet_devkit.processes import free_port
-from tests.gateway.gateway_harness import MODEL, Fleet, wait_until
+from tests.gateway.gateway_harness import MODEL, Fleet, signed, wait_until
 
 SIM = ("--simulate", "--sim-prefill-ms-per-1k-tokens", "0", "--sim-decode-ms-per-step", "50",
        "--sim-decode-ms-per-seq", "0", "--sim-step-overhead-ms", "0")  # fmt: skip
@@ -158,7 +158,9 @@ def test_slots_are_released_exactly_once_on_finish_error_disconnect_and_retry(si
     # retried on another replica: a ghost that refuses connections ranks first every other request
     [live] = store.live_replicas(MODEL)
     nobody = f"http://127.0.0.1:{free_port()}"
-    ghost = msgspec.structs.replace(live, replica_id="ghost#1", name="ghost", base_url=nobody)
+    # signed like a genuine replica of the model (a forged one would never be routed to: test_forged_replica)
+    ghost = signed(msgspec.structs.replace(live, replica_id="ghost#1", name="ghost", base_url=nobody,
+                                           updated_at=time.time()))  # fmt: skip
     store.put_model_policy(ModelPolicy(model=MODEL, routing_policy="round-robin"))
     store.publish_heartbeat(ghost, ttl=120)
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from kvfleet_common.server_kit.http import ApiError
 from kvfleet_gateway.metrics import GatewayMetrics
+from kvfleet_gateway.replica_trust import ReplicaTrust
 from kvfleet_gateway.wake import Waker
 
 
@@ -37,7 +38,7 @@ async def _lock_held_elsewhere(op: str, kind: str, call) -> bool:
 def _waker(timeout: float) -> Waker:
     calls = _lock_held_elsewhere
     calls.store = None  # type: ignore[attr-defined]
-    return Waker(_NeverWakes(), calls, None, GatewayMetrics(), "admin", "gw-test", timeout)  # type: ignore[arg-type]
+    return Waker(_NeverWakes(), calls, None, GatewayMetrics(), ReplicaTrust(None, "admin"), "gw-test", timeout)  # type: ignore[arg-type]
 
 
 def test_stop_ends_every_waiter_with_a_503_at_once():

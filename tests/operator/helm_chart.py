@@ -41,9 +41,24 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # GitOps: nothing generated; the admin token and the external Redis URL come from existing Secrets.
     "gitops": {
         "adminTokenSecret": {"name": "kvfleet-admin", "key": "token"},
+        "replicaKeyRootSecret": {"name": "kvfleet-replica-key-root", "key": "root"},
         "redis": {"enabled": False, "externalUrlSecret": {"name": "redis-connection", "key": "url"}},
     },
     "existing-secret": {"existingSecret": "platform-credentials"},
+    # GitOps with the bundled Redis: its password from a Secret of the user's (nothing generated).
+    "redis-password-secret": {
+        "adminTokenSecret": {"name": "kvfleet-admin", "key": "token"},
+        "replicaKeyRootSecret": {"name": "kvfleet-replica-key-root", "key": "root"},
+        "redis": {"auth": {"existingSecret": {"name": "redis-auth", "key": "password"}}},
+    },
+    # An external Redis over TLS with a private CA (mounted into the gateway and operator).
+    "external-tls": {
+        "redis": {
+            "enabled": False,
+            "externalUrlSecret": {"name": "redis-connection", "key": "url"},
+            "tls": {"caSecret": {"name": "redis-ca", "key": "ca.pem"}},
+        },
+    },
     "observability": {
         "observability": {"enabled": True},
         "serviceMonitor": {"enabled": True},

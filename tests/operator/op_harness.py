@@ -10,6 +10,7 @@ from kvfleet_operator.runner import RunArgs
 from kvfleet_operator.spec import OperatorConfig
 
 ADMIN_TOKEN = "test-admin-token"
+REPLICA_KEY_ROOT = b"0perat0r".hex() * 4  # the platform's replica key root (32 bytes)
 PEERING = "kvfleet"
 
 
@@ -26,6 +27,7 @@ def operator_args(server: str, redis_url: str, **options: Any) -> RunArgs:
             engine_image="registry.test/kvfleet-engine:1",
             redis_url=redis_url,
             admin_token=ADMIN_TOKEN,
+            replica_key_root=REPLICA_KEY_ROOT,
             namespace="kvfleet-system",
             engine_network_policy=True,
         ),

@@ -118,6 +118,7 @@ def test_gitops_renders_repeat_exactly_with_credentials_from_existing_secrets():
     assert _secret_refs(docs) == {
         ("KVFLEET_ADMIN_TOKEN", "kvfleet-admin", "token"),
         ("KVFLEET_REDIS_URL", "redis-connection", "url"),
+        ("KVFLEET_REPLICA_KEY_ROOT", "kvfleet-replica-key-root", "root"),
     }
     # Without them a token is generated per render (what NOTES warns GitOps users about).
     a, b = (helm("template", RELEASE, str(CHART), "-n", NAMESPACE).stdout for _ in "12")
@@ -130,14 +131,18 @@ def test_credentials_sources():
     assert _secret_refs(docs) == {
         ("KVFLEET_ADMIN_TOKEN", "platform-credentials", "admin-token"),
         ("KVFLEET_REDIS_URL", "platform-credentials", "redis-url"),
+        ("KVFLEET_REPLICA_KEY_ROOT", "platform-credentials", "replica-key-root"),
     }
-    # Only the admin token from a Secret: the chart still writes the (bundled) Redis URL.
+    # Only the admin token from a Secret: the chart still generates the (bundled) Redis's password.
     docs = render({"adminTokenSecret": {"name": "mine"}})
     (secret,) = by_kind(docs, "Secret")
-    assert set(secret["data"]) == {"redis-url"}
+    assert set(secret["data"]) == {"redis-password", "replica-key-root"}
     assert ("KVFLEET_ADMIN_TOKEN", "mine", "admin-token") in _secret_refs(docs)
     (secret,) = by_kind(render({}), "Secret")
-    assert set(secret["data"]) == {"admin-token", "redis-url"}
+    assert set(secret["data"]) == {"admin-token", "redis-password", "replica-key-root"}
+    # A Redis without a password (redis.auth.enabled: false) gets its URL from the chart's Secret, as before.
+    (secret,) = by_kind(render({"redis": {"enabled": True, "auth": {"enabled": False}}}), "Secret")
+    assert set(secret["data"]) == {"admin-token", "redis-url", "replica-key-root"}
 
 
 def _key(doc: dict) -> tuple[str, str | None, str]:
@@ -194,7 +199,8 @@ def test_pdbs_and_spread_by_default_and_every_pod_knob():
     assert operator["metadata"]["labels"]["app.kubernetes.io/version"] == "1.2.3_build.4"
     assert operator["metadata"]["annotations"]["example.com/team"] == "operator-owners"  # its own wins
     assert gateway["metadata"]["annotations"]["example.com/team"] == "ml-platform"
-    assert redis["metadata"]["annotations"] == {"example.com/team": "ml-platform"}
+    own = {k: v for k, v in redis["metadata"]["annotations"].items() if not k.startswith("checksum/")}
+    assert own == {"example.com/team": "ml-platform"}
     assert operator["spec"]["priorityClassName"] == "platform-critical"
     assert gateway["spec"]["priorityClassName"] == redis["spec"]["priorityClassName"] == "platform"
     assert {"name": "KVFLEET_LOG_LEVEL", "value": "debug"} in operator["spec"]["containers"][0]["env"]

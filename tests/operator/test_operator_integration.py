@@ -10,12 +10,14 @@ import hashlib
 import json
 import time
 
+import msgspec
 import pytest
 
+from kvfleet_common import replica_credentials
 from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_common.schemas import Heartbeat
 from kvfleet_devkit.kube_emulator import KubeEmulator, eventually
-from tests.operator.op_harness import ADMIN_TOKEN
+from tests.operator.op_harness import ADMIN_TOKEN, REPLICA_KEY_ROOT
 
 pytestmark = pytest.mark.usefixtures("operator", "delete_models_afterwards")
 
@@ -462,9 +464,20 @@ def _heartbeat(store: FleetStore, *, name: str, model: str, base_url: str, state
         started_at=now,
         updated_at=now,
     )
+    hb = _signed(hb)
     store.claim_name(name, hb.replica_id)
     store.publish_heartbeat(hb, ttl=30)
     return hb
+
+
+def _model_key(model: str) -> bytes:
+    return replica_credentials.model_key(bytes.fromhex(REPLICA_KEY_ROOT), model)
+
+
+def _signed(hb: Heartbeat, **changes) -> Heartbeat:
+    """``hb`` with ``changes``, re-signed as an engine holding the model's key (the operator's Secret) would."""
+    hb = msgspec.structs.replace(hb, **changes)
+    return msgspec.structs.replace(hb, signature=replica_credentials.sign_heartbeat(_model_key(hb.model), hb))
 
 
 def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
@@ -481,15 +494,22 @@ def test_idle_models_are_put_to_sleep_through_the_admin_endpoint(
     hb = _heartbeat(store, name="sleepy-0", model="sleepy", base_url=admin_recorder.url, state="awake")
     store.touch_activity("sleepy", now=time.time() - 3600)
 
-    calls = eventually(lambda: admin_recorder.calls, timeout=20)
+    def beat() -> None:  # like the engine, every second or so: the operator calls only fresh signed replicas
+        nonlocal beat_at
+        if time.monotonic() - beat_at > 1:
+            store.publish_heartbeat(_signed(hb, updated_at=time.time()), ttl=30)
+            beat_at = time.monotonic()
+
+    beat_at = time.monotonic()
+    calls = eventually(lambda: beat() or admin_recorder.calls, timeout=20)
     assert calls[0]["path"] == "/sleep?level=2"
-    assert calls[0]["authorization"] == f"Bearer {ADMIN_TOKEN}"
+    # the model's own admin token, derived from its key, never the platform token
+    token = replica_credentials.engine_admin_token(_model_key("sleepy"))
+    assert calls[0]["authorization"] == f"Bearer {token}" != f"Bearer {ADMIN_TOKEN}"
     eventually(lambda: [e for e in kube.events_for("sleepy") if e["reason"] == "IdleSleep"])
 
     # The engine reports the new state in its heartbeat; the status follows.
-    store.publish_heartbeat(
-        Heartbeat(**{**{f: getattr(hb, f) for f in hb.__struct_fields__}, "state": "sleeping"}), ttl=30
-    )
+    store.publish_heartbeat(_signed(hb, state="sleeping", updated_at=time.time()), ttl=30)
     status = eventually(lambda: (s := status_of(kube, "sleepy")).get("phase") == "Sleeping" and s, timeout=5)
     assert status["sleepingReplicas"] == 1 and status["awakeReplicas"] == 0
     assert condition(status, "Sleeping")["status"] == "True"
@@ -503,9 +523,7 @@ def test_busy_or_recently_used_models_stay_awake(kube: KubeEmulator, store: Flee
     )
     eventually(lambda: kube.get(child(DEPLOYMENTS, "busy")) and kube.get(child(DEPLOYMENTS, "fresh")))
     hb = _heartbeat(store, name="busy-0", model="busy", base_url=admin_recorder.url, state="awake")
-    store.publish_heartbeat(
-        Heartbeat(**{**{f: getattr(hb, f) for f in hb.__struct_fields__}, "running": 3}), ttl=30
-    )
+    store.publish_heartbeat(_signed(hb, running=3, updated_at=time.time()), ttl=30)
     _heartbeat(store, name="fresh-0", model="fresh", base_url=admin_recorder.url, state="awake")
     store.touch_activity("busy", now=time.time() - 3600)
     # Two idle checks (2 s apart) pass without a sleep call.

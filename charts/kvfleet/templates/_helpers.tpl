@@ -144,39 +144,100 @@ spec:
 {{- end -}}
 {{- end -}}
 
-{{/* Where the Redis URL comes from: "NAME KEY" (existingSecret, redis.externalUrlSecret, else the chart's). */}}
+{{/* Whether the bundled Redis requires a password: "true" or "". */}}
+{{- define "kvfleet.redisAuth" -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the bundled Redis's password comes from: "NAME KEY" (redis.auth.existingSecret, existingSecret,
+else the chart's). */}}
+{{- define "kvfleet.redisPasswordRef" -}}
+{{- if .Values.redis.auth.existingSecret.name -}}
+{{- printf "%s %s" .Values.redis.auth.existingSecret.name .Values.redis.auth.existingSecret.key -}}
+{{- else if .Values.existingSecret -}}
+{{- printf "%s redis-password" .Values.existingSecret -}}
+{{- else -}}
+{{- printf "%s redis-password" (include "kvfleet.secretName" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the Redis URL comes from: "NAME KEY" (existingSecret, redis.externalUrlSecret, else the chart's),
+or nothing for the bundled Redis with a password: then the components compose it from the password's Secret
+(kvfleet.credentialsEnv), so no URL with a password is ever rendered. */}}
 {{- define "kvfleet.redisUrlRef" -}}
 {{- if .Values.existingSecret -}}
 {{- printf "%s redis-url" .Values.existingSecret -}}
 {{- else if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name -}}
 {{- printf "%s %s" .Values.redis.externalUrlSecret.name .Values.redis.externalUrlSecret.key -}}
-{{- else -}}
+{{- else if not (include "kvfleet.redisAuth" .) -}}
 {{- printf "%s redis-url" (include "kvfleet.secretName" .) -}}
 {{- end -}}
 {{- end -}}
 
+{{/* The bundled Redis's host:port. */}}
+{{- define "kvfleet.redisAddress" -}}
+{{- printf "%s-redis.%s.svc:6379" (include "kvfleet.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
 {{- define "kvfleet.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis.%s.svc:6379/0" (include "kvfleet.fullname" .) .Release.Namespace -}}
+{{- printf "redis://%s/0" (include "kvfleet.redisAddress" .) -}}
 {{- else -}}
 {{- required "redis.externalUrl (or redis.externalUrlSecret.name) is required when redis.enabled is false" .Values.redis.externalUrl -}}
 {{- end -}}
 {{- end -}}
 
-{{/* Environment every component reads: KVFLEET_REDIS_URL and KVFLEET_ADMIN_TOKEN from their Secrets. */}}
+{{/* Environment every component reads: KVFLEET_REDIS_URL and KVFLEET_ADMIN_TOKEN from their Secrets. For the
+bundled Redis with a password, the URL is composed by the kubelet from KVFLEET_REDIS_PASSWORD (a Secret ref
+defined before it): the pod spec holds $(KVFLEET_REDIS_PASSWORD), never the password. */}}
 {{- define "kvfleet.credentialsEnv" -}}
-{{- $redis := splitList " " (include "kvfleet.redisUrlRef" .) -}}
+{{- $urlRef := include "kvfleet.redisUrlRef" . -}}
 {{- $token := splitList " " (include "kvfleet.adminTokenRef" .) -}}
+{{- if $urlRef }}
+{{- $redis := splitList " " $urlRef -}}
 - name: KVFLEET_REDIS_URL
   valueFrom:
     secretKeyRef:
       name: {{ index $redis 0 }}
       key: {{ index $redis 1 }}
+{{- else }}
+{{- $password := splitList " " (include "kvfleet.redisPasswordRef" .) -}}
+- name: KVFLEET_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ index $password 0 }}
+      key: {{ index $password 1 }}
+- name: KVFLEET_REDIS_URL
+  value: {{ printf "redis://:$(KVFLEET_REDIS_PASSWORD)@%s/0" (include "kvfleet.redisAddress" .) | quote }}
+{{- end }}
 - name: KVFLEET_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ index $token 0 }}
       key: {{ index $token 1 }}
+{{- end -}}
+
+{{/* The CA of an external TLS Redis (redis.tls.caSecret), for the gateway and the operator: a volumeMount and
+a volume, each a YAML list item (or nothing). The Redis URL names the file: ?ssl_ca_certs=/etc/kvfleet/redis-tls/ca.crt */}}
+{{- define "kvfleet.redisTlsMount" -}}
+{{- if .Values.redis.tls.caSecret.name -}}
+- name: redis-tls
+  mountPath: /etc/kvfleet/redis-tls
+  readOnly: true
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.redisTlsVolume" -}}
+{{- with .Values.redis.tls.caSecret -}}
+{{- if .name -}}
+- name: redis-tls
+  secret:
+    secretName: {{ .name }}
+    items:
+      - key: {{ .key }}
+        path: ca.crt
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* What the operator does where models live (operator-rbac.yaml binds it cluster-wide, or as a Role in

@@ -58,6 +58,7 @@ class PresenceOptions:
     name: str
     model: str
     base_url: str
+    replica_key: bytes | None = None  # signs the heartbeats (kvfleet_common.replica_credentials)
 
 
 def die_with_parent() -> None:
@@ -296,6 +297,7 @@ def _make_publisher(config: EngineConfig, presence: PresenceOptions, stats):
         max_model_len=config.max_model_len,
         stats=stats,
         tokenizer_files=files,
+        replica_key=presence.replica_key,
     )
 
 

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="announce the replica and its KV cache in Redis (env KVFLEET_REDIS_URL)")  # fmt: skip
     p.add_argument("--admin-token", default=os.environ.get("KVFLEET_ADMIN_TOKEN"),
                    help="bearer token for /sleep, /wake_up, /is_sleeping (env KVFLEET_ADMIN_TOKEN)")  # fmt: skip
+    p.add_argument("--replica-key", default=os.environ.get("KVFLEET_REPLICA_KEY"),
+                   help="this model's replica key (hex; env KVFLEET_REPLICA_KEY, from the operator's per-model "
+                        "Secret): signs the heartbeats, and without --admin-token the admin token is derived "
+                        "from it. Gateways with a replica key root route only to signed replicas")  # fmt: skip
     p.add_argument("--replica-name", default=os.environ.get("KVFLEET_REPLICA_NAME"),
                    help="stable replica name in Redis, e.g. the pod name (default: host:port)")  # fmt: skip
     p.add_argument("--base-url", default=os.environ.get("KVFLEET_BASE_URL"),
@@ -70,6 +74,19 @@ def serve_main(argv: list[str]) -> int:
         print(f"kvfleet engine serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or config.model.path.name
+    replica_key = None
+    if args.replica_key:
+        from kvfleet_common.replica_credentials import engine_admin_token, parse_key
+
+        try:
+            replica_key = parse_key(args.replica_key, "replica key")
+        except ValueError as e:
+            print(f"kvfleet engine serve: {e}", file=sys.stderr)
+            return 2
+        args.admin_token = args.admin_token or engine_admin_token(replica_key)
+    elif args.redis_url:
+        logger.warning("no --replica-key (KVFLEET_REPLICA_KEY): heartbeats go out unsigned, and gateways "
+                       "configured with a replica key root will not route to this replica")  # fmt: skip
     mark_server_process()  # the start-up heap is frozen out of garbage collection (kvfleet_common.server_kit.gc_heap)
     presence = None
     if args.redis_url:
@@ -79,6 +96,7 @@ def serve_main(argv: list[str]) -> int:
             name=args.replica_name or f"{host}-{args.port}",  # ":" is not allowed in Redis names
             model=name,
             base_url=args.base_url or f"http://{host}:{args.port}",
+            replica_key=replica_key,
         )
     setup_tracing("kvfleet-engine")
     engine = AsyncLLM(config, presence)

@@ -8,17 +8,23 @@ run shares it), while a key set on the memo inside an object's handler stays wit
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass
 
 import httpx
 import kopf
 
 from kvfleet_common.fleet_store.store import AsyncFleetStore
+from kvfleet_common.replica_credentials import ReplicaKeyRing, parse_key
+from kvfleet_common.schemas import Heartbeat
 from kvfleet_operator.kube import KubeClient
 from kvfleet_operator.spec import OperatorConfig
 
 # Seconds before kopf retries a handler that failed for a passing reason (API server or Redis unavailable).
 RETRY_DELAY = 15.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,29 @@ class OperatorContext:
         self._kube: KubeClient | None = None
         self._store: AsyncFleetStore | None = None
         self._http: httpx.AsyncClient | None = None
+        root = config.replica_key_root
+        self._replica_keys = ReplicaKeyRing(parse_key(root)) if root else None
+
+    def verified(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
+        """The heartbeats signed by an engine of their model (kvfleet_common.replica_credentials): the only
+        replicas the operator counts or calls. Without a root, all of them."""
+        if self._replica_keys is None:
+            return list(heartbeats)
+        now, out = time.time(), []
+        for hb in heartbeats:
+            fault = self._replica_keys.fault(hb, now)
+            if fault is None:
+                out.append(hb)
+            else:
+                logger.debug("ignoring replica %r of model %r: %s", hb.replica_id, hb.model, fault)
+        return out
+
+    def engine_admin_token(self, served_name: str) -> str:
+        """The bearer token of a model's engine admin endpoints: derived from its key, or (no root) the
+        platform admin token."""
+        if self._replica_keys is None:
+            return self.config.admin_token
+        return self._replica_keys.admin_token(served_name)
 
     def kube(self) -> KubeClient:
         if self._kube is None:

@@ -27,7 +27,7 @@ async def sleep_idle_replicas(
         return
     store = context.store()
     last = await store.last_activity(model.served_name)
-    heartbeats = await store.live_replicas(model.served_name)
+    heartbeats = context.verified(await store.live_replicas(model.served_name))  # never a forged replica
     targets = replicas_to_sleep(
         idle_seconds=model.sleep_idle_seconds,
         last_activity=last,
@@ -38,7 +38,7 @@ async def sleep_idle_replicas(
     if not targets:
         return
     http = context.http()
-    admin_token = context.config.admin_token
+    admin_token = context.engine_admin_token(model.served_name)  # the model's own, not the platform's
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     slept: list[str] = []
     for hb in targets:

@@ -51,7 +51,7 @@ async def refresh_model_status(context: OperatorContext, namespace: str, name: s
     last_activity: float | None = None
     try:
         store = context.store()
-        heartbeats = await store.live_replicas(model.served_name)
+        heartbeats = context.verified(await store.live_replicas(model.served_name))
         last_activity = await store.last_activity(model.served_name)
     except (redis.exceptions.RedisError, OSError):
         heartbeats = []
