@@ -3,8 +3,9 @@
 
 Processes: one ``redis-server`` (devkit's, with a password; free port, no persistence), N simulated engine
 replicas (``kvfleet engine serve --simulate``, see docs/SERVER.md) and one ``kvfleet gateway``; the Redis
-URL reaches them in their environment. Each runs in its own process group through ``_servers.ServerProcess``,
-so stopping one leaves none of its children behind.
+URL and the admin token reach them in their environment, never on a command line (which every local user can
+read). Each runs in its own process group through ``_servers.ServerProcess``, so stopping one leaves none of its
+children behind.
 ``Fleet.boot(policy)`` gives a cold fleet: everything stopped, Redis flushed, replicas started (empty KV
 caches, no measured rates), then the gateway with ``--default-policy``, and a fresh tenant with no limits.
 
@@ -114,11 +115,11 @@ def gateway_command(redis_url: str, policy: str, extra_args: Sequence[str] = ())
     port = servers.free_port()
     argv = [
         str(servers.BIN_DIR / "kvfleet"), "gateway", "--host", "127.0.0.1",
-        "--port", str(port), "--admin-token", ADMIN_TOKEN, "--default-policy", policy, "--log-level", "warning",
-        *extra_args,
+        "--port", str(port), "--default-policy", policy, "--log-level", "warning", *extra_args,
     ]  # fmt: skip
+    env = {"KVFLEET_REDIS_URL": redis_url, "KVFLEET_ADMIN_TOKEN": ADMIN_TOKEN}  # kept off the command line
     return servers.ServerCommand(
-        kind="gateway", argv=argv, env={"KVFLEET_REDIS_URL": redis_url}, base_url=f"http://127.0.0.1:{port}",
+        kind="gateway", argv=argv, env=env, base_url=f"http://127.0.0.1:{port}",
         request_model=None,
         extra_body_for="kvfleet",
     )  # fmt: skip

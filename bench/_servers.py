@@ -65,13 +65,12 @@ def kvfleet_command(
     ]  # fmt: skip
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
-    if admin_token is not None:
-        argv += ["--admin-token", admin_token]
     argv += list(extra_args)
     return ServerCommand(
         kind="kvfleet",
         argv=argv,
-        env={},
+        # Secrets go in the environment: a command line is readable by every local user (ps, /proc).
+        env={} if admin_token is None else {"KVFLEET_ADMIN_TOKEN": admin_token},
         base_url=f"http://{host}:{port}",
         request_model=served_model_name,
         extra_body_for="kvfleet",

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     log_file = tempfile.NamedTemporaryFile("w", prefix="kvfleet-operator-", suffix=".log", delete=False)  # noqa: SIM115
     operator = subprocess.Popen(
         [sys.executable, "-m", "kvfleet_cli.main", "operator", f"--server={kube.url}",
-         f"--redis-url={redis.url}", "--standalone", "--idle-check-seconds=3600", "--resync-seconds=3600"],
-        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+         "--standalone", "--idle-check-seconds=3600", "--resync-seconds=3600"],
+        stdout=log_file, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVFLEET_REDIS_URL": redis.url},  # its password: not in ps
     )  # fmt: skip
     try:
         # Warm-up: kopf's discovery and watch streams, the operator's clients.

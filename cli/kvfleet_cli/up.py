@@ -5,11 +5,12 @@ program, which then stops them in order):
 
 1. ``redis-server`` on 127.0.0.1 (a free port unless ``--redis-port``), no persistence, requiring a random
    password (like the chart's Redis), which reaches it in a config file and the engines and the gateway in
-   their environment (``KVFLEET_REDIS_URL``), never on a command line;
+   their environment (``KVFLEET_REDIS_URL``), never on a command line (which every local user can read in
+   ``ps``), like every other secret: the admin token, the replica key root and key;
 2. ``--replicas`` engine replicas, ``kvfleet engine serve``, of the model (default: the ``small`` demo model,
    built once with ``kvfleet demo-model`` into ``~/.cache/kvfleet/demo-llama-small``);
-3. the gateway, ``kvfleet gateway``, on ``--port``, sharing the admin token with the engines so it can sleep
-   and wake them;
+3. the gateway, ``kvfleet gateway``, on ``--port``, with the admin token and the replica key root (it
+   derives each engine's admin token from the root, to sleep and wake them);
 
 then creates a tenant through the gateway's admin API, prints its API key, and sends one chat request
 through the gateway. ``--once`` stops there (exit status 0 only if every step worked); otherwise it prints
@@ -304,8 +305,7 @@ def bring_up(args: argparse.Namespace, children: Children) -> Platform:
     gateway = f"http://127.0.0.1:{args.port}"
     children.start("gateway", [
         *KVFLEET, "gateway", "--host", "127.0.0.1", "--port", str(args.port),
-        f"--admin-token={args.admin_token}",
-    ], env={**redis_env, "KVFLEET_REPLICA_KEY_ROOT": root})  # fmt: skip
+    ], env={**redis_env, "KVFLEET_ADMIN_TOKEN": args.admin_token, "KVFLEET_REPLICA_KEY_ROOT": root})  # fmt: skip
     say(f"waiting for {args.replicas} engine replica(s) to load the model and for the gateway...")
     for url in [gateway, *engines]:
         wait_for(children, f"{url}/health", lambda u=url: http("GET", f"{u}/health")[0] == 200, args.timeout)

@@ -22,12 +22,14 @@ from kvfleet_common import redis_keys
 from kvfleet_common.schemas import Heartbeat
 
 ROOT_BYTES = 32
+ROOT_ENV = "KVFLEET_REPLICA_KEY_ROOT"  # the gateway's and the operator's root (hex)
+# Where a deployment takes the root from (the chart: "Secret S, key K, named by V"); set, it makes the root required.
+ROOT_SOURCE_ENV = "KVFLEET_REPLICA_KEY_ROOT_SOURCE"
 # How far the engine's clock may be from the verifier's: a heartbeat is fresh while
 # -MAX_CLOCK_SKEW_S <= now - issued_at <= HEARTBEAT_TTL_S + MAX_CLOCK_SKEW_S.
 MAX_CLOCK_SKEW_S = 10.0
 _MODEL_KEY_LABEL = b"kvfleet/model-key\0"
 _ADMIN_TOKEN_LABEL = b"kvfleet/engine-admin-token"
-_KEY_ID_LABEL = b"kvfleet/key-id"
 _HEARTBEAT_LABEL = "kvfleet/heartbeat/v1"
 
 
@@ -47,6 +49,27 @@ def parse_key(text: str, what: str = "replica key root") -> bytes:
     return key
 
 
+def configured_root(given: str | None, source: str | None = None) -> bytes | None:
+    """The root a gateway or operator was configured with; None when none was (local development, warned).
+
+    ``given``: the ``--replica-key-root`` / ``KVFLEET_REPLICA_KEY_ROOT`` value, None when neither is set;
+    ``source``: ``KVFLEET_REPLICA_KEY_ROOT_SOURCE``, where a deployment says the root comes from (the chart
+    sets it: "Secret S, key K, named by existingSecret"); with a source the root is required.
+
+    Invariant: a root that is set but empty, malformed or short, or required but missing, raises ValueError
+    with one line naming the variable and, when known, the Secret key: a misconfigured Secret must stop the
+    component at start, never silently turn the replica checks off."""
+    what = f"replica key root ({ROOT_ENV} or --replica-key-root" + (f"; from {source})" if source else ")")
+    how = f"64 hex digits, e.g. from `openssl rand -hex {ROOT_BYTES}`"
+    if given is None:
+        if not source:
+            return None
+        raise ValueError(f"the {what} is not set: that Secret key must exist and hold the root ({how})")
+    if not given.strip():
+        raise ValueError(f"the {what} is empty: it must hold the root ({how})")
+    return parse_key(given, what)
+
+
 def model_key(root: bytes, model: str) -> bytes:
     """The key of one model's engines (the served model name, as heartbeats carry it)."""
     redis_keys.check_name(model, "model")
@@ -56,11 +79,6 @@ def model_key(root: bytes, model: str) -> bytes:
 def engine_admin_token(key: bytes) -> str:
     """The bearer token of the admin endpoints (/sleep, /wake_up) of the engines holding ``key``."""
     return hmac.new(key, _ADMIN_TOKEN_LABEL, hashlib.sha256).hexdigest()
-
-
-def key_id(key: bytes) -> str:
-    """A short public fingerprint of a key (in a pod template: a changed key rolls the pods)."""
-    return hmac.new(key, _KEY_ID_LABEL, hashlib.sha256).hexdigest()[:16]
 
 
 def _signed_message(hb: Heartbeat) -> bytes:

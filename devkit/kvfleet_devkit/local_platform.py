@@ -235,12 +235,20 @@ class LocalPlatform:
         itself comes from the pod template, as in a cluster (the operator's ``--otlp-endpoint``)."""
         return dict(OTEL_FAST_EXPORT) if self.otlp_endpoint else {}
 
+    def _secrets_env(self) -> dict[str, str]:
+        """The operator's and the gateway's credentials, as the chart gives them: in the environment, never on a
+        command line, which every local user can read (``ps``, /proc/PID/cmdline)."""
+        return {
+            "KVFLEET_REDIS_URL": self.redis_url,
+            "KVFLEET_ADMIN_TOKEN": self.admin_token,
+            "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root,
+        }
+
     def _start_operator(self) -> None:
         health_port = free_port()
         cmd = [
             sys.executable, "-m", "kvfleet_cli.main", "operator",
             f"--server={self.kube_url}",
-            f"--admin-token={self.admin_token}",
             f"--operator-namespace={OPERATOR_NAMESPACE}",
             f"--engine-image={ENGINE_IMAGE}",
             "--standalone",
@@ -250,8 +258,7 @@ class LocalPlatform:
         ]  # fmt: skip
         if self.otlp_endpoint:
             cmd.append(f"--otlp-endpoint={self.otlp_endpoint}")
-        env = {**os.environ, "KVFLEET_REDIS_URL": self.redis_url,  # the secrets stay off the command line
-               "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root}  # fmt: skip
+        env = {**os.environ, **self._secrets_env()}
         with (self.work_dir / "operator.log").open("ab") as out:
             self.operator = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -282,10 +289,8 @@ class LocalPlatform:
             sys.executable, "-m", "kvfleet_cli.main", "gateway",
             "--host", "127.0.0.1",
             "--port", str(port),
-            f"--admin-token={self.admin_token}",  # "=": a token may start with "-"
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVFLEET_REDIS_URL": self.redis_url,
-               "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root}  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._secrets_env()}
         if self.otlp_endpoint:
             env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, **OTEL_FAST_EXPORT}
         with (self.work_dir / "gateway.log").open("ab") as out:

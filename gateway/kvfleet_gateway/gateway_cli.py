@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from kvfleet_common.redis_url import RedisCredentialsError, check_credentials, mask_url
-    from kvfleet_common.replica_credentials import parse_key
+    from kvfleet_common.replica_credentials import ROOT_SOURCE_ENV, configured_root
     from kvfleet_common.server_kit.gc_heap import mark_server_process
     from kvfleet_common.server_kit.graceful import BoundedShutdownServer
     from kvfleet_common.server_kit.tracing import setup_tracing
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
     setup_tracing("kvfleet-gateway")
     kw = {"gateway_id": args.gateway_id} if args.gateway_id else {}
     try:
-        root = parse_key(args.replica_key_root) if args.replica_key_root else None
+        root = configured_root(args.replica_key_root, os.environ.get(ROOT_SOURCE_ENV))
         config = GatewayConfig(
             redis_url=args.redis_url, admin_token=args.admin_token, default_policy=args.default_policy,
             replica_key_root=root,

@@ -14,8 +14,9 @@ emptyDirs (`WRITABLE_DIRS`).
 
 Credentials (docs/SECURITY.md): with the platform's replica key root, a model's Secret holds the Redis URL, the
 model's replica key (it signs the engines' heartbeats) and the admin token derived from it, never the platform
-admin token, so rotating that token touches no engine. The pod template names the key's fingerprint: a new
-root rolls the engines onto their new keys.
+admin token, so rotating that token touches no engine. The pod template carries a hash of that Secret's data
+(`credentials_hash`): a new root, Redis password or URL rolls the engines onto their new credentials, and an
+unchanged Secret leaves the template, so the pods, as they are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ CONFIG_HASH_ANNOTATION = "kvfleet.io/config-hash"
 CREDENTIALS_REDIS_KEY = "redis-url"
 CREDENTIALS_TOKEN_KEY = "admin-token"
 CREDENTIALS_REPLICA_KEY = "replica-key"
-REPLICA_KEY_ID_ANNOTATION = "kvfleet.io/replica-key-id"
+CREDENTIALS_HASH_ANNOTATION = "kvfleet.io/credentials-hash"
 CONFIG_MOUNT = "/etc/kvfleet"
 STARTUP_PROBE_PERIOD = 10
 HEALTH_PATH = "/health"
@@ -323,6 +324,21 @@ def config_hash(config_map_: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config_map_["data"], sort_keys=True).encode()).hexdigest()[:16]
 
 
+_CREDENTIALS_HASH_LABEL = b"kvfleet/credentials-hash\0"
+
+
+def credentials_hash(secret: dict[str, Any]) -> str:
+    """A fingerprint of a credentials Secret's data, for the pod template: it changes iff the data does.
+
+    Safe to publish (the pod template is readable by whoever may read Deployments, who may not read Secrets):
+    it hashes the whole data together, and the data always holds a high-entropy secret: the model's 256-bit
+    replica key (derived from the root), or, without a root (local development), the platform admin token.
+    So the digest can neither be inverted nor used to test guesses of a weaker value next to it, such as a
+    chosen Redis password; a guess would have to include the key as well."""
+    canonical = json.dumps(secret["data"], sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(_CREDENTIALS_HASH_LABEL + canonical).hexdigest()[:16]
+
+
 def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
     image = engine_image(model, config)
     env = _engine_env(model, config)
@@ -361,12 +377,13 @@ def pod_template(model: ModelSpec, config: OperatorConfig) -> dict[str, Any]:
         pod_spec["affinity"] = copy.deepcopy(model.affinity)
     if model.priority_class_name:
         pod_spec["priorityClassName"] = model.priority_class_name
-    # A changed ConfigMap rolls the pods, like a changed spec does; so does a new replica key (a rotated
-    # root), which the running engines would otherwise keep signing with, unverified.
-    annotations = {CONFIG_HASH_ANNOTATION: config_hash(config_map(model, config))}
-    key = model_key(model, config)
-    if key is not None:
-        annotations[REPLICA_KEY_ID_ANNOTATION] = replica_credentials.key_id(key)
+    # A changed ConfigMap rolls the pods, like a changed spec does; so do changed credentials (a rotated root
+    # or Redis password): the engines read them from the Secret only at start, and would otherwise keep
+    # signing with the old key (unverified, so without traffic) or be refused by Redis.
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(config_map(model, config)),
+        CREDENTIALS_HASH_ANNOTATION: credentials_hash(credentials_secret(model, config)),
+    }
     return {
         "metadata": {"labels": {**labels(model), **config.extra_pod_labels}, "annotations": annotations},
         "spec": pod_spec,

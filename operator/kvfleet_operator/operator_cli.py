@@ -60,10 +60,10 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replica-key-root",
         type=_replica_key_root,
-        default=os.environ.get("KVFLEET_REPLICA_KEY_ROOT", defaults.replica_key_root),
+        default=os.environ.get("KVFLEET_REPLICA_KEY_ROOT"),
         help="the platform's replica key root (hex, env KVFLEET_REPLICA_KEY_ROOT; the gateways'): each model's "
-        "engines get only their model's derived key and admin token. Empty: the platform admin token and "
-        "unsigned heartbeats (local development only)",
+        "engines get only their model's derived key and admin token. Unset: the platform admin token and "
+        "unsigned heartbeats (local development only; set but empty or short: refused)",
     )
     p.add_argument(
         "--engine-image",
@@ -107,13 +107,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _replica_key_root(text: str) -> str:
-    from kvfleet_common.replica_credentials import parse_key
+    """A given root must be valid (an empty one too: a Secret key left empty never turns the checks off)."""
+    from kvfleet_common.replica_credentials import ROOT_SOURCE_ENV, configured_root
 
-    if text:
-        try:
-            parse_key(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    try:
+        configured_root(text, os.environ.get(ROOT_SOURCE_ENV))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text.strip()
 
 
@@ -134,7 +134,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         namespace=args.operator_namespace,
         redis_url=args.redis_url,
         admin_token=args.admin_token,
-        replica_key_root=args.replica_key_root,
+        replica_key_root=args.replica_key_root or "",
         gpu_resource=args.gpu_resource,
         shm_size=args.shm_size,
         otlp_endpoint=args.otlp_endpoint,
@@ -232,7 +232,14 @@ def _run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
 
     from kvfleet_common.redis_url import RedisCredentialsError, check_credentials, mask_url
+    from kvfleet_common.replica_credentials import ROOT_SOURCE_ENV, configured_root
     from kvfleet_operator.runner import run_operator
+
+    try:  # a malformed root was refused by the parser; this is the required one that is missing
+        configured_root(args.replica_key_root, os.environ.get(ROOT_SOURCE_ENV))
+    except ValueError as e:
+        print(f"kvfleet operator: {e}", file=sys.stderr)
+        return 2
 
     # Fail fast on a wrong or missing password (the engines would get the same URL); a Redis that is merely
     # down is retried by the handlers that need it.

@@ -9,9 +9,9 @@ from kvfleet_common import redis_keys
 from kvfleet_common.replica_credentials import (
     MAX_CLOCK_SKEW_S,
     ReplicaKeyRing,
+    configured_root,
     engine_admin_token,
     heartbeat_fault,
-    key_id,
     model_key,
     new_root,
     parse_key,
@@ -92,7 +92,6 @@ def test_model_keys_and_admin_tokens_differ_per_model_and_from_the_platform_toke
     assert model_key(bytes.fromhex("22" * 32), "llama") != keys["llama"]
     platform_token = ROOT.hex()
     assert platform_token not in tokens and ROOT.hex() not in {k.hex() for k in keys.values()}
-    assert key_id(keys["llama"]) != key_id(keys["qwen"]) and len(key_id(keys["llama"])) == 16
     with pytest.raises(ValueError):
         model_key(ROOT, "bad:name")
 
@@ -113,3 +112,26 @@ def test_roots_parse_as_hex_of_at_least_32_bytes_and_errors_never_echo_them():
         with pytest.raises(ValueError) as e:
             parse_key(bad)
         assert bad not in str(e.value) or not bad
+
+
+def test_a_configured_root_is_valid_or_refused_and_required_where_the_deployment_says_so():
+    """Only an unset root with no source means "none" (local development); everything else that is not a
+    valid root stops the component, naming the variable and the Secret key, never echoing the value."""
+    root = "ab" * 32
+    assert configured_root(None) is None
+    assert configured_root(root) == configured_root(f" {root}\n", "Secret s, key k") == bytes.fromhex(root)
+    source = "Secret platform, key replica-key-root, named by existingSecret"
+    for given, complaint in [
+        (None, "is not set: that Secret key must exist"),
+        ("", "is empty"),
+        ("  ", "is empty"),
+        ("not-hex", "must be hex"),
+        ("abcd1234", "must be at least 32 bytes"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            configured_root(given, source)
+        message = str(e.value)
+        assert complaint in message and source in message and "KVFLEET_REPLICA_KEY_ROOT" in message
+        assert given is None or not given.strip() or given not in message
+    with pytest.raises(ValueError, match="is empty"):
+        configured_root("")  # no source: an empty variable is a mistake too, not "no root"

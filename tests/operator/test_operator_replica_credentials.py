@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 
-from kvfleet_common.replica_credentials import engine_admin_token, key_id, model_key
+import pytest
+
+from kvfleet_common.replica_credentials import engine_admin_token, model_key
 from kvfleet_operator import manifests
 from kvfleet_operator.spec import OperatorConfig, model_spec_from
 from tests.operator.test_operator_manifests import engine_container, model_obj
@@ -44,7 +47,8 @@ def test_engines_read_their_model_key_and_admin_token_from_the_model_secret():
     }
     assert CONFIG.admin_token not in data.values() and ROOT not in data.values()
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations[manifests.REPLICA_KEY_ID_ANNOTATION] == key_id(key)
+    assert annotations[manifests.CREDENTIALS_HASH_ANNOTATION] == manifests.credentials_hash(
+        manifests.credentials_secret(model, CONFIG))  # fmt: skip
 
 
 def test_models_get_different_credentials():
@@ -66,7 +70,7 @@ def test_a_new_root_rolls_the_engines_onto_new_keys():
     model = model_spec_from(model_obj())
     rerooted = dataclasses.replace(CONFIG, replica_key_root="cd" * 32)
     before, after = manifests.deployment(model, CONFIG), manifests.deployment(model, rerooted)
-    key = manifests.REPLICA_KEY_ID_ANNOTATION
+    key = manifests.CREDENTIALS_HASH_ANNOTATION
     assert before["spec"]["template"]["metadata"]["annotations"][key] != after["spec"]["template"]["metadata"]["annotations"][key]  # fmt: skip
     assert secret_data(manifests.credentials_secret(model, rerooted))["replica-key"] != secret_data(
         manifests.credentials_secret(model, CONFIG))["replica-key"]  # fmt: skip
@@ -81,3 +85,56 @@ def test_without_a_root_engines_get_the_platform_token_and_no_key():
     }  # fmt: skip
     env = {e["name"] for e in engine_container(manifests.deployment(model, plain))["env"]}
     assert "KVFLEET_REPLICA_KEY" not in env
+
+
+def _template_annotation(model, config: OperatorConfig) -> str:
+    return manifests.deployment(model, config)["spec"]["template"]["metadata"]["annotations"][
+        manifests.CREDENTIALS_HASH_ANNOTATION
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "credentials_change"),
+    [
+        ({}, False),
+        ({"redis_url": "redis://:rotated-pw@redis.kvfleet-system:6379/0"}, True),  # a Redis password rotation
+        ({"redis_url": "redis://:pw@redis-2.kvfleet-system:6379/0"}, True),  # another Redis
+        ({"replica_key_root": "cd" * 32}, True),  # a root rotation
+        ({"admin_token": "a-new-platform-token"}, False),  # engines never hold it (with a root)
+        ({"engine_image": "registry.test/other:2"}, False),  # rolls the pods through the spec, not this
+        ({"otlp_endpoint": "http://collector:4318"}, False),
+        ({"replica_key_root": ""}, True),  # no root: the platform token instead of the model's key and token
+    ],
+)
+def test_the_template_names_new_credentials_iff_the_secret_changes(change, credentials_change):
+    """The pod template's credentials hash changes exactly when the Secret the engines read does: a rotation
+    rolls them (they read the Secret only at start), and nothing else does it through this annotation."""
+    model = model_spec_from(model_obj())
+    changed = dataclasses.replace(CONFIG, **change)
+    secret = manifests.credentials_secret
+    assert (secret(model, changed) != secret(model, CONFIG)) == credentials_change
+    assert (_template_annotation(model, changed) != _template_annotation(model, CONFIG)) == credentials_change
+    if not change:
+        assert manifests.deployment(model, changed) == manifests.deployment(model, CONFIG)  # no roll at all
+
+
+def test_without_a_root_rotating_the_platform_token_rolls_the_engines_that_hold_it():
+    model = model_spec_from(model_obj())
+    plain = dataclasses.replace(CONFIG, replica_key_root="")
+    rotated = dataclasses.replace(plain, admin_token="a-new-platform-token")
+    assert _template_annotation(model, plain) != _template_annotation(model, rotated)
+
+
+def test_the_credentials_hash_reveals_none_of_the_credentials():
+    """A fixed-length digest of all the data together (the 256-bit replica key included), so a reader of
+    the Deployment can neither read a credential off it nor confirm a guess of the Redis password alone."""
+    model = model_spec_from(model_obj())
+    secret = manifests.credentials_secret(model, CONFIG)
+    digest = manifests.credentials_hash(secret)
+    assert len(digest) == 16 and int(digest, 16) >= 0  # 64 bits of a SHA-256: nothing to read a value off
+    text = json.dumps(manifests.deployment(model, CONFIG))
+    assert all(value not in text for value in [*secret_data(secret).values(), *secret["data"].values()])
+    # the same Redis password with another model's key gives another digest: the key is part of the input
+    other = model_obj()
+    other["metadata"]["name"] = "qwen"
+    assert manifests.credentials_hash(manifests.credentials_secret(model_spec_from(other), CONFIG)) != digest
