@@ -213,11 +213,25 @@ def missing_extras() -> list[str]:
 # ---- the steps --------------------------------------------------------------------------------------------
 
 
+def _has_current_chat_template(model_dir: Path) -> bool:
+    from kvfleet_engine.demo_model.tokenizer import CHAT_TEMPLATE
+
+    try:
+        saved = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return False
+    return saved == CHAT_TEMPLATE
+
+
 def demo_model(children: Children, out: Path, timeout: float) -> Path:
     """The demo model in ``out``, built there once (into a temporary sibling, then renamed: an interrupted
-    build never looks complete)."""
+    build never looks complete). A build whose chat template is not today's (an older kvfleet's, without
+    tool rendering, say) is built again: the served prompts would otherwise differ from the documented ones."""
     if (out / "config.json").exists():
-        return out
+        if _has_current_chat_template(out):
+            return out
+        say(f"the demo model in {out} has an older chat template: building it again")
+        shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     say(f"building the demo model ({DEMO_PRESET} preset) into {out} (once; reused next time)")

@@ -10,24 +10,44 @@ Types are strict, as OpenAI's are: ``"stream": "yes"`` or ``1``, ``"max_tokens":
 prompt of booleans are 400s, not coerced. Every integer is bounded (int64; token ids int32, as the block
 hashes pack them), every string must be valid UTF-8 (no lone surrogates, which JSON's ``\\ud800`` escapes
 can smuggle in) and NaN / Infinity are refused: what passes can be forwarded, serialized and hashed.
+
+The shapes of structured outputs and tool calling (``response_format``, ``structured_outputs``, ``tools``,
+``tool_choice``, ``tool_calls`` and their deltas) live in ``openai_tools``; the validation primitives both
+modules use in ``openai_fields``.
 """
 
 from __future__ import annotations
 
-import re
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
+)
+
+from kvfleet_common.openai_fields import NOT_UTF8 as _NOT_UTF8
+from kvfleet_common.openai_fields import REQUEST_CONFIG as _REQUEST_CONFIG
+from kvfleet_common.openai_fields import SURROGATE as _SURROGATE
+from kvfleet_common.openai_fields import utf8_text as _utf8
+from kvfleet_common.openai_tools import (
+    MAX_TOOLS,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoiceRules,
+    ToolDefinition,
+    without_none,
 )
 
 MAX_N = 128
@@ -38,30 +58,10 @@ MAX_TOKEN_ID = 2**31 - 1  # block hashes pack token ids as int32 (kvfleet_common
 MAX_PRIORITY = 2**31 - 1  # the gateway adds the tenant's priority: far from int64's edge
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_NOT_UTF8 = "must be valid UTF-8 text (it holds a lone surrogate, e.g. \\ud800)"
-
-
-def _utf8(value: Any) -> Any:
-    """A field validator: the string, or each string of the list / of the content parts, is valid UTF-8
-    (JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or encoder takes)."""
-    text = value
-    if isinstance(value, list):  # joined in C: a million strings are not checked one by one
-        try:
-            text = "".join(value)
-        except TypeError:  # content parts
-            text = "".join(getattr(part, "text", "") for part in value)
-    if isinstance(text, str) and not text.isascii() and _SURROGATE.search(text):
-        raise ValueError(_NOT_UTF8)
-    return value
-
-
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # a list's validation stops at its first error: a million bad items must not make a million errors
 TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
-# requests: OpenAI's types, not pydantic's lax coercions; unknown fields ignored
-_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class ErrorInfo(BaseModel):
@@ -124,8 +124,9 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM-style extras
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top-n per prompt token
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -138,13 +139,45 @@ class _SamplingRequest(BaseModel):
     # kvfleet: scheduling priority (lower runs first) and prefix-cache isolation salt
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, max_length=256)
+    # what the output must conform to: OpenAI's response_format or vLLM's structured_outputs, not both
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     _texts = field_validator("model", "stop", "user", "cache_salt")(_utf8)
 
     @model_validator(mode="after")
+    def _one_output_constraint(self) -> _SamplingRequest:
+        if self.structured_outputs is not None and self.response_format_constrains:
+            raise ValueError(
+                "response_format and structured_outputs cannot both constrain the output: send one of them"
+            )
+        return self
+
+    @property
+    def response_format_constrains(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments for the engine's ``StructuredOutputsParams`` from ``structured_outputs`` or
+        ``response_format``; None when the output is free text."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params_kwargs()
+        if not self.response_format_constrains:
+            return None
+        if self.response_format.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.response_format.json_schema.json_schema}
+
+    @model_validator(mode="after")
     def _common_checks(self) -> _SamplingRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > MAX_TOKEN_ID:
+                shown = key if len(key) <= 32 else key[:32] + "..."
+                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {shown!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
@@ -171,6 +204,8 @@ class _SamplingRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
@@ -244,10 +279,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (use n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo together with logprobs is not supported (prompt logprobs are not computed)"
-            )
         return self
 
     @property
@@ -277,8 +308,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextContentPart], Field(fail_fast=True)] | None = None
     name: str | None = None
+    # an assistant message's calls (its content may then be null)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)  # tool: the call this message answers
 
-    _texts = field_validator("content", "name")(_utf8)
+    _texts = field_validator("content", "name", "tool_call_id")(_utf8)
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -287,38 +331,80 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template reads it: role and text, plus the tool fields when set."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
-class ResponseFormat(BaseModel):
-    """Only ``{"type": "text"}`` is supported; nothing else of it is kept (or forwarded)."""
+
+class ChatPrompt(BaseModel):
+    """What a chat prompt is rendered from: the messages, the tools and the template switches. Chat
+    completions and ``/tokenize`` share it, so both render (and the gateway predicts) the same prompt."""
 
     model_config = _REQUEST_CONFIG
 
-    type: str = "text"
-
-    _texts = field_validator("type")(_utf8)
-
-
-class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_checks(self) -> ChatPrompt:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template renders them (None without tools). They are rendered for every
+        tool_choice, "none" too (as vLLM does): the prompt of a conversation does not change with it."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in self.tools]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """What ``apply_chat_template`` takes besides the messages: the engine and the gateway render
+        ``apply_chat_template(template_messages(), tokenize=False, **chat_template_kwargs())``."""
+        kwargs: dict[str, Any] = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+        tools = self.template_tools()
+        if tools:  # absent, not None, without tools: the template's output stays what it was
+            kwargs["tools"] = tools
+        return kwargs
+
+    def template_texts(self) -> list[str]:
+        """Every text the template will render (messages, their calls, the tools): bounded before rendering."""
+        texts = [m.text() for m in self.messages]
+        for call in (call for m in self.messages for call in m.tool_calls or ()):
+            texts += [call.function.name, call.function.arguments]
+        tools = self.template_tools()
+        if tools:
+            texts.append(json.dumps(tools, ensure_ascii=False))
+        return texts
+
+
+class ChatCompletionRequest(ToolChoiceRules, _SamplingRequest, ChatPrompt):
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[Any] | None = None
-    response_format: ResponseFormat | None = None
+    # None: "auto" when there are tools, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: tool_choice "required" makes exactly one call
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.type != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        self.check_tools()
         return self
 
     @property
@@ -328,9 +414,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -354,12 +437,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt-logprob entry: one per token id (a JSON key) at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, None for the first, then token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when the request set prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -388,6 +484,11 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return without_none(handler, self, ("tool_calls",))
 
 
 class ChatChoice(BaseModel):
@@ -405,11 +506,17 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when the request set prompt_logprobs
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None  # left out when None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return without_none(handler, self, ("tool_calls",))
 
 
 class ChatChunkChoice(BaseModel):
@@ -453,13 +560,8 @@ class TokenizeCompletionRequest(BaseModel):
     _texts = field_validator("model", "prompt")(_utf8)
 
 
-class TokenizeChatRequest(BaseModel):
-    model_config = _REQUEST_CONFIG
-
+class TokenizeChatRequest(ChatPrompt):
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     _texts = field_validator("model")(_utf8)
 

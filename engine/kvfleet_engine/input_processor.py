@@ -17,6 +17,7 @@ from typing import Any
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.messages import EngineCoreRequest
 from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.structured_output import backend as structured_backend
 
 PromptType = str | dict[str, Any]
 
@@ -84,6 +85,16 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
+            raise ValueError(f"prompt_logprobs must be <= 20, got {params.prompt_logprobs}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.structured_outputs is not None:
+            # A grammar that does not compile is the request's fault: a 400 here, not a failed request
+            # in the engine core (the core compiles it again, against the vocabulary, off its step loop).
+            structured_backend.validate(params.structured_outputs)
 
     def process(
         self,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvfleet_engine.core.messages import EngineCoreOutput
 from kvfleet_engine.detokenizer import IncrementalDetokenizer
-from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams
 
 
@@ -43,6 +43,8 @@ class RequestState:
     seqs: dict[str, SequenceState]  # engine request id -> sequence
     num_cached_tokens: int = 0
     num_unfinished: int = 0
+    # Set from the first output that carries them (every sequence of the request computes them).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def output(self) -> RequestOutput:
         outs = sorted((s.completion() for s in self.seqs.values()), key=lambda c: c.index)
@@ -53,6 +55,7 @@ class RequestState:
             outputs=outs,
             finished=self.num_unfinished == 0,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -97,7 +100,10 @@ class OutputProcessor:
     def process_outputs_delta(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Streaming form: one RequestOutput per request that changed, holding only what is new
         (text, token ids and logprobs since the previous delta) for the sequences that changed;
-        ``finished`` is set on a request's last delta. Also returns the sequence ids to stop."""
+        ``finished`` is set on a request's last delta. Also returns the sequence ids to stop.
+
+        ``prompt_logprobs`` (when asked for) is on every delta from the first on: each sequence's first
+        output carries them, so the first delta of a request, and of each of its sequences, has them."""
         deltas: dict[str, dict[int, CompletionOutput]] = {}
         states: dict[str, RequestState] = {}
         to_stop: list[str] = []
@@ -144,6 +150,7 @@ class OutputProcessor:
                     ),
                     finished=req.num_unfinished == 0,
                     num_cached_tokens=req.num_cached_tokens,
+                    prompt_logprobs=req.prompt_logprobs,
                 )
             )
         return result, to_stop
@@ -166,13 +173,17 @@ class OutputProcessor:
         first_new_logprob = len(logprobs) if logprobs is not None else 0
         if seq.index == 0:
             req.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] + [
+                self._logprob_dict(ids, lps, rank) for ids, lps, rank in out.prompt_logprobs
+            ]
         seq.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and logprobs is not None:
             for ids, lps, rank in out.new_logprobs:
                 logprobs.append(self._logprob_dict(ids, lps, rank))
                 seq.cumulative_logprob += lps[0]
         finish_reason = out.finish_reason
-        stop_str = seq.detok.update(out.new_token_ids, finish_reason == "stop")
+        stop_str = seq.detok.update(out.new_token_ids, finish_reason == "stop" and not out.grammar_complete)
         if stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
             if finish_reason is None:

@@ -14,6 +14,9 @@ class Logprob:
 
 # Per generated position: token id -> Logprob (the sampled token plus the top-n).
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing predicts it), then token id -> Logprob (the prompt token,
+# with its rank, plus the top-n).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -38,3 +41,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # When SamplingParams.prompt_logprobs was set: one entry per prompt token (see PromptLogprobs).
+    prompt_logprobs: PromptLogprobs | None = None

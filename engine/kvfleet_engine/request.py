@@ -9,13 +9,18 @@ blocks, so that cost is paid once, in the core process.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from kvfleet_common.hashing import BlockHash, hash_block, hash_blocks, root_hash
 from kvfleet_engine.core.messages import EngineCoreRequest
 
+if TYPE_CHECKING:
+    from kvfleet_engine.structured_output.manager import RequestGrammar
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # structured outputs: its grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -64,7 +69,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        # Prompt logprobs collected so far (entry j: prompt token j + 1), when asked for; they leave with
+        # the request's first output. Each token's entry is kept once, whatever recomputes it.
+        self.prompt_logprobs: list | None = None if request.sampling_params.prompt_logprobs is None else []
         self.num_preemptions = 0
+        # Structured outputs: the request's grammar (set by the scheduler on admission).
+        self.grammar: RequestGrammar | None = None
 
         self.block_size = block_size
         self._hash_root = root_hash(request.cache_salt or b"")
@@ -90,6 +100,26 @@ class Request:
             parent = hashes[-1] if n else self._hash_root
             start = n * block_size
             hashes.append(hash_block(parent, all_ids[start : start + block_size]))
+
+    @property
+    def needs_prompt_hidden_states(self) -> bool:
+        """Prompt logprobs still missing: the prompt must run through the model, not come from the
+        prefix cache (a cache hit has KV but no hidden states to score)."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, first_token: int, entries: list) -> None:
+        """Keep a step's prompt-logprob entries (``entries[0]`` is for prompt token ``first_token``),
+        skipping tokens already kept (a recompute after preemption scores them again)."""
+        pl = self.prompt_logprobs
+        if pl is None:
+            return
+        skip = len(pl) + 1 - first_token
+        if skip < 0:
+            raise AssertionError(
+                f"{self.request_id}: prompt logprobs skip from token {len(pl) + 1} to {first_token}"
+            )
+        pl.extend(entries[skip:])
 
     def is_finished(self) -> bool:
         return self.status > _LAST_UNFINISHED

@@ -12,6 +12,8 @@ import copy
 from dataclasses import dataclass
 from enum import IntEnum
 
+from kvfleet_engine.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -39,6 +41,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one is always included)
+    # top-n logprobs of every prompt token after the first (each token's own logprob always included).
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this constraint
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -86,6 +92,18 @@ class SamplingParams:
             raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs must be a StructuredOutputsParams")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

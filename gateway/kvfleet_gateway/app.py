@@ -142,11 +142,13 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, tenant: Tenant, request: Request):
-        return await request.app.state.proxy.handle("completions", body, tenant, request)
+        sent = await request.body()  # read by the route already: kept, forwarded as it is
+        return await request.app.state.proxy.handle("completions", body, tenant, request, sent)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, request: Request):
-        return await request.app.state.proxy.handle("chat", body, tenant, request)
+        sent = await request.body()  # read by the route already: kept, forwarded as it is
+        return await request.app.state.proxy.handle("chat", body, tenant, request, sent)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

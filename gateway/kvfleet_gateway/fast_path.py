@@ -152,7 +152,7 @@ async def _answer(endpoint: str, model: type[pydantic.BaseModel], raw: bytes, re
             body = model.model_validate(data)
         except pydantic.ValidationError as e:
             return _rejected(request, validation_error_response(e.errors(include_url=False)))
-        return await request.app.state.proxy.handle(endpoint, body, tenant, request)  # logs its own line
+        return await request.app.state.proxy.handle(endpoint, body, tenant, request, raw)  # logs its own line
     except ApiError as e:
         return e.response()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:

@@ -137,6 +137,7 @@ class Proxy:
         body: CompletionRequest | ChatCompletionRequest,
         tenant: TenantRecord,
         raw: Request,
+        sent: bytes,  # the body as the client sent it (``body`` is its validation): forwarded as it is
     ) -> Response:
         r = Routed(
             request_id=client_request_id(raw) or f"gw-{uuid.uuid4().hex}",
@@ -155,7 +156,7 @@ class Proxy:
         })  # fmt: skip
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await self._route_and_send(r, body, raw, span)
+                response = await self._route_and_send(r, body, sent, raw, span)
         except ApiError as e:
             r.status = e.status
             self._end_admission(r)
@@ -295,7 +296,7 @@ class Proxy:
         self._counter += 1
         return choose(policy, candidates, r.prompt_tokens or 0, self._counter)
 
-    async def _route_and_send(self, r: Routed, body, raw: Request, span) -> Response:
+    async def _route_and_send(self, r: Routed, body, sent: bytes, raw: Request, span) -> Response:
         replicas = await self._awake_replicas(r)
         hashes = r.block_hashes = await self._block_hashes(r, body, replicas)
         admitted = await self._admit(r, body, replicas, hashes)
@@ -316,7 +317,7 @@ class Proxy:
                 "kvfleet.candidates": json.dumps(r.decision.explain(), separators=(",", ":")),
                 "kvfleet.fallbacks": ",".join(r.fallbacks),
             })  # fmt: skip
-        payload = upstream_payload(body, r.tenant)
+        payload = upstream_payload(sent, body, r.tenant)
         ticket = self.load.start(
             chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)
         )

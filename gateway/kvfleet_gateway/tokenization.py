@@ -4,7 +4,10 @@ Engines publish their tokenizer files (``tokenizer.json``, ``tokenizer_config.js
 under a content revision; heartbeats name the revision. The gateway loads each (model, revision) once
 with transformers' fast tokenizer, the same class the engine uses, and turns a request into token ids
 exactly as the engine's server does: completions encode the (first) prompt with special tokens; chat
-renders the chat template to text and encodes it without adding special tokens again.
+renders the chat template to text (``kvfleet_common.chat_rendering``, the engine's own rendering: messages,
+tools and the template's flags) and encodes it without adding special tokens again. So a chat's tools count
+in its prompt tokens (routing and the tenant's tokens/min reservation), and a ``response_format`` schema
+does not (the engine never puts it in the prompt). Each prompt is tokenized once per request.
 
 On the request path (``bounded_prompt_token_ids``) the prompt's size is bounded first, against what the
 model's context can hold (``kvfleet_common.server_kit.request_limits.TextBound``, measured once per tokenizer), and long
@@ -20,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from kvfleet_common.chat_rendering import ChatTemplateError, render_chat_prompt
 from kvfleet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet_common.server_kit.gc_heap import freeze_long_lived
 from kvfleet_common.server_kit.request_limits import TextBound, encode, encode_off_loop
@@ -65,8 +69,8 @@ async def bounded_prompt_token_ids(
     tokenizer: Any, bound: TextBound, request: CompletionRequest | ChatCompletionRequest, max_model_len: int
 ) -> list[int] | None:
     """``prompt_token_ids`` on the request path: every prompt's size is checked before anything is
-    tokenized (raises ``PromptTooLarge``; a chat's messages before the template is rendered too), and a
-    long text is tokenized off the event loop."""
+    tokenized (raises ``PromptTooLarge``; a chat's texts, messages and tools, before the template is
+    rendered too, as the engine checks them), and a long text is tokenized off the event loop."""
     if isinstance(request, CompletionRequest):
         prompts = request.prompts()
         for prompt in prompts:
@@ -74,7 +78,7 @@ async def bounded_prompt_token_ids(
                 _check_size(bound, [prompt], max_model_len, "prompt")
         first = prompts[0]
         return await encode_off_loop(tokenizer, first, True) if isinstance(first, str) else list(first)
-    _check_size(bound, [m.text() for m in request.messages], max_model_len, "messages")
+    _check_size(bound, request.template_texts(), max_model_len, "messages")
     text = _chat_text(tokenizer, request)
     if text is None:
         return None
@@ -90,16 +94,12 @@ def _check_size(bound: TextBound, texts: list[str], max_model_len: int, param: s
 
 def _chat_text(tokenizer: Any, request: ChatCompletionRequest) -> str | None:
     try:
-        return tokenizer.apply_chat_template(
-            request.template_messages(), tokenize=False,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-        )  # fmt: skip
-    except Exception:  # jinja errors: the engine reports them as a 400 with its own message
+        return render_chat_prompt(tokenizer, request)
+    except ChatTemplateError:  # the engine answers the same 400 with its own message; routed without a prefix
         return None
 
 
-_encode = encode  # kvfleet_common.server_kit.request_limits.encode: the engine's ids, without the wrapper's Python
+_encode = encode  # request_limits.encode: the engine's ids, without the wrapper's Python
 
 
 class TokenizerCache:

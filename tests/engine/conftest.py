@@ -66,3 +66,22 @@ def triton_device(test_device: str) -> str:
             "Triton kernels on CPU tensors need TRITON_INTERPRET=1; KVFLEET_TEST_DEVICE=cuda runs them"
         )
     return test_device
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory):
+    """An engine server process on the tiny llama model (max_model_len 1024) for a whole test module: the
+    API tests of tools, structured outputs and logit_bias share its shape. A module may define its own."""
+    from tests.server.server_harness import run_server
+
+    with run_server(
+        demo_model("llama", "tiny"), tmp_path_factory.mktemp("logs"), "--max-model-len", "1024"
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from tests.server.server_harness import openai_client
+
+    return openai_client(server)

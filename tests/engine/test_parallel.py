@@ -10,6 +10,7 @@ machine has GPUs is skipped, saying so.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -27,6 +28,7 @@ from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.engine_args import EngineArgs
 from kvfleet_engine.executor.multiproc import WorkerFailure
 from kvfleet_engine.input_processor import InputProcessor
+from kvfleet_engine.structured_output.params import StructuredOutputsParams
 
 MAX_NEW = 16
 # Small token budget: long prompts are prefilled in chunks, mixed with other requests' decodes. A
@@ -128,6 +130,46 @@ def test_greedy_tokens_equal_single_process_with_prefix_hits_and_chunked_prefill
     assert llm.engine.scheduler.num_preemptions > 0  # the small cache forced recomputes along the way
     assert llm.engine.executor.collective_rpc("num_request_states") == [0] * llm.engine.executor.world_size
     assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
+
+
+# Structured outputs: every rank applies the same step bitmask (it travels in the SchedulerOutput).
+_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _structured_texts(llm: LLM) -> list[str]:
+    params = SamplingParams(
+        max_tokens=48, temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=_SCHEMA, disable_any_whitespace=True),
+    )  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def structured_reference(demo_model, test_device):
+    cache: dict[str, list[str]] = {}
+
+    def get(arch: str) -> list[str]:
+        if arch not in cache:
+            llm = LLM(demo_model(arch=arch), device=test_device, use_tqdm=False, **ENGINE_ARGS)
+            cache[arch] = _structured_texts(llm)
+            llm.shutdown()
+        return cache[arch]
+
+    return get
+
+
+def test_structured_outputs_equal_single_process(parallel, structured_reference):
+    arch, llm = parallel
+    got = _structured_texts(llm)
+    assert got == structured_reference(arch)
+    assert all(set(json.loads(t)) == {"id", "ok"} for t in got)
 
 
 def test_abort_mid_generation_reaches_every_rank(parallel, reference):

@@ -164,7 +164,8 @@ def test_survives_redis_restart_and_resyncs(redis_server, store, caplog):
         wait_for(lambda: in_sync(rep, store), what="index rebuilt after restart")
         assert rep.pub.resyncs_requested >= 1
         assert (
-            store.fetch_tokenizer(MODEL, store.get_heartbeat(rep.pub.replica_id).tokenizer_revision) == TOKENIZER
+            store.fetch_tokenizer(MODEL, store.get_heartbeat(rep.pub.replica_id).tokenizer_revision)
+            == TOKENIZER
         )
         assert [h.replica_id for h in store.live_replicas(MODEL)] == [rep.pub.replica_id]
         outage_logs = [r for r in caplog.records if "unavailable" in r.getMessage()]

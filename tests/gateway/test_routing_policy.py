@@ -122,26 +122,22 @@ def test_upstream_payload_carries_the_tenants_priority_and_salt():
     from kvfleet_common.schemas import TenantRecord
     from kvfleet_gateway.upstream_request import upstream_payload
 
+    def payload(tenant: TenantRecord, **fields) -> dict:
+        sent = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+        return json.loads(upstream_payload(sent, ChatCompletionRequest.model_validate_json(sent), tenant))
+
     gold = TenantRecord(name="gold", priority=5, cache_salt="s1")
-    req = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, priority=-100
-    )
-    data = json.loads(upstream_payload(req, gold))
+    data = payload(gold, stream=True, priority=-100)
     assert data["priority"] == -5  # engine: lower runs first; a client cannot raise its own priority
     assert data["cache_salt"] == "s1"
     assert data["stream_options"] == {"include_usage": True}
     assert data["messages"] == [{"role": "user", "content": "hi"}] and data["model"] == "m"
-    req = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "hi"}], priority=3, cache_salt="c"
-    )
-    data = json.loads(upstream_payload(req, gold))
+    data = payload(gold, priority=3, cache_salt="c")
     assert data["priority"] == -2  # ...but may lower it
     assert data["cache_salt"] == "s1\x1fc"  # a client salt extends the tenant's, never replaces it
     assert "stream_options" not in data
     shared = TenantRecord(name="shared")
-    assert "cache_salt" not in json.loads(
-        upstream_payload(req.model_copy(update={"cache_salt": None}), shared)
-    )
+    assert payload(shared, priority=3).get("cache_salt") is None
 
 
 def test_kv_pressure_cancels_affinity():

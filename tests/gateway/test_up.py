@@ -5,6 +5,7 @@ child's command line."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfleet_cli import up
 from kvfleet_devkit.processes import free_port, group_members
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -111,3 +113,17 @@ def test_a_child_dying_at_start_fails_with_its_log(tmp_path):
     assert "Traceback" in proc.stdout or "kvfleet engine serve:" in proc.stdout  # the log's tail is shown
     assert "API key" not in proc.stdout
     assert {name: left for name, pgid in children.items() if (left := group_members(pgid))} == {}
+
+
+def test_a_cached_demo_model_with_an_older_chat_template_is_rebuilt(demo_model, tmp_path):
+    """`kvfleet up` reuses its cached demo model only while its chat template is today's (a build from
+    before tool rendering would serve other prompts than the docs and the gateway expect)."""
+    current = demo_model(arch="llama")
+    assert up._has_current_chat_template(current)
+    stale = tmp_path / "stale"
+    shutil.copytree(current, stale)
+    config = json.loads((stale / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    (stale / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not up._has_current_chat_template(stale)
+    assert not up._has_current_chat_template(tmp_path / "missing")

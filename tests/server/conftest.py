@@ -1,6 +1,6 @@
 import pytest
 
-from tests.server.server_harness import run_server
+from tests.server.server_harness import openai_client, run_server
 
 
 @pytest.fixture(scope="module")
@@ -14,5 +14,4 @@ def server(demo_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)

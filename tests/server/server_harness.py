@@ -143,3 +143,10 @@ def run_server(model_dir: Path, log_dir: Path, *extra: str, name: str = "tiny", 
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 raise AssertionError(f"process {pid} outlived the server")
+
+
+def openai_client(server: ServerHandle):
+    """The openai SDK's client for ``server`` (no retries: a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)

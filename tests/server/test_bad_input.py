@@ -38,7 +38,7 @@ def assert_error(r: httpx.Response, status: int, *fragments: str) -> dict:
         ({"model": "tiny", "prompt": [], "max_tokens": 2}, 400, "empty"),
         ({"model": "tiny", "prompt": [999999], "max_tokens": 2}, 400, "vocabulary"),
         ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop"),
-        ({"model": "tiny", "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "hi", "logit_bias": {"one": 5}}, 400, "logit_bias"),
         ({"model": "tiny", "prompt": "hi", "min_tokens": 10, "max_tokens": 2}, 400, "min_tokens"),
         ({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
     ],

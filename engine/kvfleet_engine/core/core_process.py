@@ -248,7 +248,7 @@ class EngineCoreProc:
         kv = sched.kv
         return CoreStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + len(sched.waiting_for_grammar),
             kv_cache_usage=kv.usage,
             num_kv_blocks=self.engine.num_kv_blocks,
             num_free_kv_blocks=kv.get_num_free_blocks(),

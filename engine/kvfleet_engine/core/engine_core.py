@@ -22,6 +22,8 @@ from kvfleet_engine.core.sched_output import SchedulerOutput
 from kvfleet_engine.core.scheduler import Scheduler
 from kvfleet_engine.executor.selection import executor_for
 from kvfleet_engine.request import Request, RequestStatus
+from kvfleet_engine.structured_output.backend import GrammarCompiler
+from kvfleet_engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +88,18 @@ class EngineCore:
         self.rates = StepRates()
         self.sleep_level = 0  # 0 awake; else the level it went to sleep with, until fully awake
         self._asleep_parts: set[str] = set()
+        self.structured_outputs = StructuredOutputManager(
+            GrammarCompiler(
+                str(config.model.path), config.model.vocab_size, sorted(config.model.eos_token_ids)
+            )
+        )
         self.scheduler = Scheduler(
             kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
             config.scheduling_policy,
+            self.structured_outputs,
         )
         # Pipeline parallelism: steps submitted to the workers whose outputs are not applied yet.
         self._batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
@@ -117,6 +125,7 @@ class EngineCore:
             self.scheduler.has_unfinished_requests()
             or bool(self.scheduler.finished_req_ids)
             or bool(self._batch_queue)
+            or bool(self.scheduler.deferred_outputs)
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -124,7 +133,7 @@ class EngineCore:
             return self._step_with_batch_queue()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
-            return []
+            return self.scheduler.take_deferred_outputs()
         t0 = time.perf_counter()
         runner_out = self.executor.execute_model(sched)
         self.rates.record(sched, self.scheduler.requests, time.perf_counter() - t0)
@@ -147,7 +156,7 @@ class EngineCore:
                 if not sched.is_empty and len(queue) < scheduler.pipeline_depth:
                     return []
         if not queue:
-            return []
+            return scheduler.take_deferred_outputs()
         sched, future, t0 = queue.popleft()
         try:
             runner_out = future.result()
@@ -208,4 +217,5 @@ class EngineCore:
         return self.sleep_level > 0
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()

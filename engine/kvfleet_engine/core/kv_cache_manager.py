@@ -5,7 +5,9 @@ The manager only does bookkeeping; the tensors live in the worker. Invariants:
   holding tokens ``[i*block_size, (i+1)*block_size)``;
 - a prefix hit never covers a request's last known token: the model must run at least one token
   to produce logits (so at most ``(num_tokens - 1) // block_size`` blocks can be hit);
-- only full blocks are ever registered in the prefix cache, under the request's chained hashes.
+- only full blocks are ever registered in the prefix cache, under the request's chained hashes;
+- a request still missing prompt logprobs gets no hit: its prompt positions must run through the model
+  (a cached block holds KV, not the hidden states to score). Its own blocks are cached for others.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of leading blocks already cached, and how many tokens that covers."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_hidden_states:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []

@@ -73,6 +73,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # [len(new_token_ids)] rows of (token ids, logprobs) with the sampled token first, and its rank.
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # The request's first output only, when it asked for prompt logprobs: one (token ids, logprobs, rank)
+    # per prompt token after the first, the prompt token first in ids and logprobs, then the top-n.
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # "stop" because the request's structured output is complete: its last token is content, not a stop
+    # token (whose text is never shown), so the front end keeps its text.
+    grammar_complete: bool = False
 
     @property
     def finished(self) -> bool:

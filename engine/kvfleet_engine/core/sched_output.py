@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from kvfleet_engine.sampling_params import SamplingParams
 
@@ -53,6 +54,11 @@ class SchedulerOutput:
     # Requests the workers must forget before this step (finished, aborted or preempted since last step).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: row i of ``grammar_bitmask`` ([k, ceil(vocab / 32)] int32, bit t set = token t
+    # allowed) constrains the token request ``structured_req_ids[i]`` samples this step. Only requests
+    # that sample this step have a row; None when none of them is constrained.
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -69,3 +75,6 @@ class ModelRunnerOutput:
     logprob_token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None
     sampled_ranks: list[int] | None = None
+    # Only when a scheduled request asked for prompt logprobs: request id -> (index of the first prompt
+    # token covered, per token (ids, logprobs, rank) with the prompt token first); see worker/prompt_logprobs.py.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None

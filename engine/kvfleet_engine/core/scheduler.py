@@ -9,10 +9,16 @@ prefix-cache hit just starts ``num_computed_tokens`` further along.
 When the KV cache runs out of blocks the lowest-priority running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue to be recomputed later (recompute is
 cheap with prefix caching, since its freed blocks usually remain in the cache).
+
+Structured outputs: a constrained request waits in ``waiting_for_grammar`` (outside the queue) until
+its grammar has compiled on the manager's thread; each step's output carries the allowed-token
+bitmask of every constrained request that samples in it, and every accepted token advances that
+request's matcher. A request whose grammar is complete finishes ("stop") without waiting for EOS.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import heapq
 from collections import deque
 from collections.abc import Iterable
@@ -28,6 +34,7 @@ from kvfleet_engine.core.sched_output import (
     SchedulerOutput,
 )
 from kvfleet_engine.request import Request, RequestStatus
+from kvfleet_engine.structured_output.manager import StructuredOutputManager
 
 
 class WaitingQueue:
@@ -91,6 +98,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -108,6 +116,11 @@ class Scheduler:
         # so that `depth` steps can be in the pipeline at once. Depth 1: step by step (no effect).
         self.in_flight: set[str] = set()
         self.pipeline_depth = 1
+        self.structured_outputs = structured_outputs
+        self.waiting_for_grammar: list[Request] = []
+        self.num_constrained = 0  # unfinished requests with a grammar (0: skip every bitmask step)
+        # Outputs made outside a model step (a grammar that failed to compile): the next step returns them.
+        self.deferred_outputs: list[EngineCoreOutput] = []
 
     # ---- admission and abort -------------------------------------------------------------------
 
@@ -115,7 +128,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_outputs is None:
+                raise ValueError("this engine does not support structured outputs")
+            request.grammar = self.structured_outputs.grammar_for(constraint)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+            self.num_constrained += 1
+        else:
+            self.waiting.add(request)
         # Under load a request can wait long enough for other requests' blocks to evict the prefix the
         # router sent it here for; keep that prefix at the protected end of the eviction order.
         self.kv.keep_warm(request)
@@ -132,6 +154,10 @@ class Scheduler:
         waiting = [r for r in finished if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
         if waiting:
             self.waiting.remove(waiting)
+        compiling = [r for r in finished if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
+        if compiling:
+            self.waiting_for_grammar = [r for r in self.waiting_for_grammar if r not in compiling]
+            waiting += compiling
         if len(finished) > len(waiting):
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -141,15 +167,17 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request) -> None:
+        if request.grammar is not None:
+            self.num_constrained -= 1
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_grammar)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_grammar)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -158,6 +186,8 @@ class Scheduler:
         is kept lean: a decode that fits in the blocks its request holds costs a few attribute reads,
         one ``allocate_slots`` fast path and one ``CachedRequestData``. ``num_computed_tokens``
         advances as each request is scheduled (``CachedRequestData`` carries the value from before)."""
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -251,8 +281,66 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_ids,
         )
+        if self.num_constrained:
+            self._add_grammar_bitmask(out)
         self.finished_req_ids = set()
         return out
+
+    # ---- structured outputs --------------------------------------------------------------------
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; end those whose grammar failed. With nothing
+        else to run, wait a moment for the oldest compile instead of spinning the busy loop."""
+        pending = self.waiting_for_grammar
+        if not self.running and not len(self.waiting) and not pending[0].grammar.ready():
+            concurrent.futures.wait([pending[0].grammar.future], timeout=0.01)
+        still = []
+        for req in pending:
+            if not req.grammar.ready():
+                still.append(req)
+            elif req.grammar.resolve():
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+            else:
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.stop_reason = req.grammar.error
+                self._free(req)
+                self.deferred_outputs.append(
+                    EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=req.grammar.error)
+                )
+        self.waiting_for_grammar = still
+
+    def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request that samples this step (its last prompt
+        token, or its last generated one, is in the step)."""
+        requests = self.requests
+        sampling = [
+            req
+            for rid in out.num_scheduled_tokens
+            if (req := requests[rid]).grammar is not None
+            and req.num_computed_tokens >= len(req.all_token_ids)
+        ]
+        if sampling:
+            out.structured_req_ids = [req.request_id for req in sampling]
+            out.grammar_bitmask = self.structured_outputs.fill_bitmask([req.grammar for req in sampling])
+
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> bool:
+        """Feed a step's accepted tokens to the request's matcher; True if that ends the request."""
+        grammar = req.grammar
+        if not grammar.accept(tokens):
+            # The sampler only picks allowed tokens, so this is a bug or a library fault: end the request
+            # rather than let it run on unconstrained.
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.stop_reason = f"structured output violated: {grammar.violation()}"
+            return True
+        if grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def take_deferred_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.deferred_outputs = self.deferred_outputs, []
+        return outputs
 
     def _pick_victim_index(self) -> int:
         """FCFS: the last admitted. Priority: the lowest priority, latest arrival. Never one in flight."""
@@ -292,6 +380,11 @@ class Scheduler:
         done: list[Request] = []
         requests, check_stop = self.requests, self._check_stop
         logprobs = runner_out.logprobs
+        if runner_out.prompt_logprobs:  # kept on the request until its first output carries them
+            for rid, (first_token, entries) in runner_out.prompt_logprobs.items():
+                req = requests.get(rid)
+                if req is not None:
+                    req.add_prompt_logprobs(first_token, entries)
         for idx, (rid, tokens) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             req = requests.get(rid)
             if req is None or not tokens:
@@ -309,6 +402,8 @@ class Scheduler:
                 if check_stop(req, tok):
                     stopped = True
                     break
+            if not stopped and req.grammar is not None:
+                stopped = self._advance_grammar(req, tokens)
             num_cached = req.num_cached_tokens
             out = EngineCoreOutput(
                 request_id=rid,
@@ -316,15 +411,21 @@ class Scheduler:
                 new_logprobs=new_logprobs,
                 num_cached_tokens=num_cached if num_cached > 0 else 0,
             )
+            if first and req.prompt_logprobs is not None:
+                out.prompt_logprobs = req.prompt_logprobs
             if stopped:
                 out.finish_reason = RequestStatus.finish_reason(req.status)
                 out.stop_reason = req.stop_reason
+                if req.grammar is not None and req.status == RequestStatus.FINISHED_STOPPED:
+                    out.grammar_complete = req.grammar.is_terminated()
                 self._free(req)
                 done.append(req)
             (firsts if first else finished if stopped else outputs).append(out)
         if done:
             self._remove_running(done)
         self.kv.block_pool.flush_events()
+        if self.deferred_outputs:
+            finished = self.take_deferred_outputs() + finished
         return firsts + finished + outputs
 
     def _remove_running(self, done: list[Request]) -> None:
@@ -351,7 +452,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=self.kv.stats.hit_rate,

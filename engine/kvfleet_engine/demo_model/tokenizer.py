@@ -49,17 +49,70 @@ GENERATION_EOS_TOKEN_IDS: tuple[int, ...] = (EOS_TOKEN_ID, IM_END_TOKEN_ID)
 # pattern, so any other split would make HF and `tokenizer.json` tokenize differently.
 PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
-# ChatML. `content` may be a string or a list of OpenAI-style parts ({"type": "text", "text": ...});
+# What the system turn says about tools: Hermes' format (the one Qwen2.5 models are trained on), in our
+# words. The tools' JSON signatures follow it, one a line, then TOOLS_PROMPT_END. (Both are pasted into
+# the template as single-quoted Jinja strings: no apostrophes; Jinja reads the escaped newlines and quotes.)
+TOOLS_PROMPT = (
+    "# Tools\\n\\nYou may call one or more functions to help with the request. "
+    "Their JSON signatures are listed inside <tools></tools>:\\n<tools>"
+)
+TOOLS_PROMPT_END = (
+    "\\n</tools>\\n\\nTo call functions, answer with one block per call, each holding a JSON object with "
+    "the name of the function and its arguments:\\n<tool_call>\\n"
+    '{\\"name\\": <function name>, \\"arguments\\": <arguments as a JSON object>}\\n</tool_call>'
+)
+
+# ChatML. `content` may be a string, null or a list of OpenAI-style parts ({"type": "text", "text": ...});
 # the text parts are concatenated. A generation prompt opens an assistant turn.
+# With `tools`, Hermes-style tool use: a system turn lists the tools (after the first system message's
+# text, which it replaces); an assistant message's `tool_calls` follow its text as
+# `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` blocks (what the model is asked to write);
+# consecutive `tool` messages form one user turn of `<tool_response>` blocks. `<tool_call>` and the
+# others are plain text, not special tokens. Without tools or tool messages the output is plain ChatML,
+# byte for byte what it was before tools existed.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '" + TOOLS_PROMPT + "' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '" + TOOLS_PROMPT_END + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message['role'] == 'system' and message['content'] is string) -%}"
     "{%- if message['content'] is string -%}"
     "{%- set content = message['content'] -%}"
+    "{%- elif message['content'] is none -%}"
+    "{%- set content = '' -%}"
     "{%- else -%}"
     "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
     " | map(attribute='text') | join('') -%}"
     "{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}"
+    "{{- '<|im_start|>user' -}}"
+    "{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}"
+    "{%- if loop.nextitem is not defined or loop.nextitem['role'] != 'tool' -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\\n' + content -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set function = call['function'] if call['function'] is defined else call -%}"
+    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' -}}"
+    "{%- if function['arguments'] is string -%}{{- function['arguments'] -}}"
+    "{%- else -%}{{- function['arguments'] | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"

@@ -7,7 +7,8 @@ row in the batch uses it (the model runner tells us through ``SamplingMetadata``
 Order of operations (vLLM V1's):
 
 1. logprobs shown to users: ``log_softmax`` of the *raw* logits, in float32;
-2. float32 copy; ``min_tokens``: stop ids banned (``-inf``) while a row is below its minimum;
+2. float32 copy; ``logit_bias`` added (before anything else looks at the logits, greedy rows
+   included); ``min_tokens``: stop ids banned (``-inf``) while a row is below its minimum;
 3. penalties: repetition (prompt and output tokens), frequency and presence (output tokens);
 4. greedy rows: argmax (done if the whole batch is greedy);
 5. random rows: temperature, min_p, top_k, top_p (one sort for both), then the exponential race
@@ -53,6 +54,8 @@ class SamplingMetadata:
     # row -> (min_tokens, stop token ids incl. EOS): banned while len(output_token_ids[row]) < min_tokens
     min_tokens: dict[int, tuple[int, frozenset[int]]]
     default_generator: torch.Generator | None = None  # rows without a seed (None: torch's global RNG)
+    # (row ids, token ids, biases), one entry per biased token of every row; None when no row has a bias
+    logit_bias: tuple[list[int], list[int], list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -89,7 +92,9 @@ class Sampler(torch.nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
         banned = self._min_tokens_bans(md, logits.shape[1])
-        needs_edit = banned is not None or not md.no_penalties or not md.all_greedy
+        needs_edit = (
+            banned is not None or not md.no_penalties or not md.all_greedy or md.logit_bias is not None
+        )
         if not needs_edit:
             # Fast path: plain greedy batch, nothing reshapes the logits.
             sampled = logits.argmax(dim=-1)
@@ -97,6 +102,13 @@ class Sampler(torch.nn.Module):
 
         # Our own float32 copy: everything below edits it in place.
         logits = logits.to(torch.float32, copy=True)
+        if md.logit_bias is not None:
+            rows, cols, biases = md.logit_bias
+            index = (
+                _host_to_device(rows, torch.int64, logits.device),
+                _host_to_device(cols, torch.int64, logits.device),
+            )
+            logits.index_put_(index, _host_to_device(biases, torch.float32, logits.device), accumulate=True)
         if banned is not None:
             rows, cols = banned
             index = (

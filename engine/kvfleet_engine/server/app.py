@@ -129,11 +129,7 @@ def build_app(
         if body.model is not None:
             serving.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            serving.check_size([m.text() for m in body.messages], "messages")  # before rendering
-            text = serving.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages],
-                body.add_generation_prompt, body.continue_final_message,
-            )  # fmt: skip
+            text = serving.render_chat(body)
             ids = await serving.tokenize_text(text, add_special_tokens=False)
         else:
             ids = await serving.tokenize_text(body.prompt, add_special_tokens=body.add_special_tokens)

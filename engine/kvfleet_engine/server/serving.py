@@ -12,6 +12,7 @@ worker thread, and ``max_tokens`` must fit the context with the prompt (``kvflee
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -24,22 +25,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from kvfleet_common.chat_rendering import ChatTemplateError, render_chat_prompt
 from kvfleet_common.openai_protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatTokenLogprob,
+    ChatPrompt,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     PromptTokensDetails,
-    TopLogprob,
     Usage,
     error_body,
 )
@@ -50,7 +45,12 @@ from kvfleet_engine.async_llm import AsyncLLM, EngineSleepingError, RequestAbort
 from kvfleet_engine.core_client import EngineDeadError
 from kvfleet_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_engine.sampling_params import SamplingParams
+from kvfleet_engine.server import completion_logprobs as echo_lp
+from kvfleet_engine.server.chat_output import ChatShaper
+from kvfleet_engine.server.chat_structure import output_constraint, plan_chat_output
 from kvfleet_engine.server.metrics import EngineMetrics
+from kvfleet_engine.structured_output import backend as structured_backend
+from kvfleet_engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("kvfleet_engine.server")
 tracer = trace.get_tracer("kvfleet.engine")
@@ -64,6 +64,7 @@ SLEEPING_HEADERS = {"Retry-After": RETRY_AFTER_S, "x-kvfleet-replica-state": "sl
 class PreparedPrompt:
     text: str | None
     token_ids: list[int]
+    prompt_logprobs: list | None = None  # from the engine's first output, when the request asked
 
 
 @dataclass(slots=True)
@@ -129,11 +130,24 @@ class OpenAIServing:
         if self.engine.dead_reason is not None:
             raise ApiError(503, f"the engine is not available: {self.engine.dead_reason}", code="engine_dead")
 
-    def _params(self, kwargs: dict) -> SamplingParams:
+    def _params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        kwargs: dict,
+        structured: StructuredOutputsParams | None,
+    ) -> SamplingParams:
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs, structured_outputs=structured)
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_request") from None
+        if structured is not None:
+            try:  # before the prompt is rendered and tokenized: a bad grammar costs nothing more
+                structured_backend.validate(structured)
+            except structured_backend.GrammarError as e:
+                raise ApiError(
+                    400, str(e), param=_constraint_source(req), code="invalid_structured_output"
+                ) from None
+        return params
 
     def _validate_prompt(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
         n = len(prompt.token_ids)
@@ -156,18 +170,15 @@ class OpenAIServing:
         self.check_size([text], "prompt")
         return await encode_off_loop(self.tokenizer, text, add_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool
-    ) -> str:
-        if continue_final_message and messages[-1]["role"] != "assistant":
-            raise ApiError(400, "continue_final_message needs the last message to be the assistant's")
+    def render_chat(self, req: ChatPrompt) -> str:
+        """The chat prompt's text, as a gateway renders it to route the request; size-bounded before and
+        after rendering (a template can multiply its inputs)."""
+        self.check_size(req.template_texts(), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-            )  # fmt: skip
-        except Exception as e:  # jinja errors (e.g. a template that rejects a role sequence)
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            text = render_chat_prompt(self.tokenizer, req)
+        except ChatTemplateError as e:
+            raise ApiError(400, e.message, param=e.param) from None
+        self.check_size([text], "messages")
         return text
 
     # ---- completions -------------------------------------------------------------------------------
@@ -175,7 +186,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_available()
-        params = self._params(req.sampling_kwargs(req.max_tokens, req.logprobs))
+        kwargs = echo_lp.engine_kwargs(req, req.sampling_kwargs(req.max_tokens, req.logprobs))
+        params = self._params(req, kwargs, output_constraint(req))
         for p in req.prompts():  # every one, before any is tokenized
             if isinstance(p, str):
                 self.check_size([p], "prompt")
@@ -198,18 +210,19 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_available()
-        params = self._params(req.sampling_kwargs(req.effective_max_tokens, req.num_logprobs))
-        messages = req.template_messages()
-        self.check_size([m["content"] for m in messages], "messages")  # before rendering the template
-        text = self.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message)
-        self.check_size([text], "messages")
+        plan = plan_chat_output(req)
+        kwargs = req.sampling_kwargs(req.effective_max_tokens, req.num_logprobs)
+        params = self._params(req, kwargs, plan.constraint)
+        text = self.render_chat(req)
         prompt = PreparedPrompt(text, await self.tokenize_text(text, add_special_tokens=False))
         self._validate_prompt(prompt, params)
         rec = _record(raw, "chat", "chatcmpl")
         rec.prompt_tokens = len(prompt.token_ids)
+        shaper = ChatShaper(plan, self.model_name, req.top_logprobs or 0)
         if req.stream:
-            return self._stream(rec, raw, [prompt], params, req, self._chat_chunks)
-        return await self._complete(rec, raw, [prompt], params, req, self._chat_response)
+            return self._stream(rec, raw, [prompt], params, req, shaper.chunks)
+        build = functools.partial(self._chat_response, shaper)
+        return await self._complete(rec, raw, [prompt], params, req, build)
 
     # ---- the shared machinery ----------------------------------------------------------------------
 
@@ -325,6 +338,8 @@ class OpenAIServing:
         async def run() -> None:
             async for i, out in self._merged(rec, prompts, params, req):
                 self._observe(rec, span, i, out, cached)
+                if out.prompt_logprobs is not None:
+                    prompts[i].prompt_logprobs = out.prompt_logprobs
                 for c in out.outputs:
                     idx = i * n + c.index
                     acc = choices.get(idx)
@@ -432,7 +447,7 @@ class OpenAIServing:
             sampled = pos.get(tid) or next(iter(pos.values()))
             token = sampled.decoded_token or ""
             lp.tokens.append(token)
-            lp.token_logprobs.append(_finite(sampled.logprob))
+            lp.token_logprobs.append(echo_lp.finite_logprob(sampled.logprob))
             lp.top_logprobs.append(_top_dict(pos))
             lp.text_offset.append(offset)
             offset += len(token)
@@ -444,15 +459,15 @@ class OpenAIServing:
         for c in outs:
             prompt = prompts[c.index // n]
             prefix = self._prompt_text(prompt) if req.echo else ""
+            logprobs = self._completion_logprobs(c, len(prefix))
+            if req.echo and req.logprobs is not None:
+                logprobs = echo_lp.echoed(prompt, req.logprobs, self.engine.output_processor, logprobs)
             choices.append(
                 CompletionChoice(
-                    index=c.index,
-                    text=prefix + c.text,
-                    logprobs=self._completion_logprobs(c, len(prefix)),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    index=c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason, prompt_logprobs=echo_lp.asked_prompt_logprobs(req, prompt),
                 )
-            )
+            )  # fmt: skip
         return CompletionResponse(
             id=rec.request_id, model=self.model_name, choices=choices, usage=usage
         ).model_dump()
@@ -466,13 +481,18 @@ class OpenAIServing:
         for c in out.outputs:
             idx = i * n + c.index
             text = c.text
-            if req.echo and idx not in state:
+            echoed = req.echo and idx not in state
+            if echoed:
                 text = self._prompt_text(prompts[i]) + text
             offset = state.get(idx, 0)
             state[idx] = offset + len(text)
             if not text and c.finish_reason is None and not c.token_ids:
                 continue
-            lp = self._completion_logprobs(c, offset) if c.logprobs is not None else None
+            gen_offset = offset + len(text) - len(c.text)  # the generated text starts after the echo
+            lp = self._completion_logprobs(c, gen_offset) if c.logprobs is not None else None
+            if echoed and req.logprobs is not None:  # the prompt's part arrives with the first chunk
+                prompts[i].prompt_logprobs = out.prompt_logprobs
+                lp = echo_lp.echoed(prompts[i], req.logprobs, self.engine.output_processor, lp)
             yield {
                 "id": rec.request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [{
@@ -481,61 +501,11 @@ class OpenAIServing:
                 }],
             }  # fmt: skip
 
-    @staticmethod
-    def _chat_logprobs(c: CompletionOutput, top_n: int) -> ChatLogprobs | None:
-        if c.logprobs is None:
-            return None
-        content = []
-        for pos, tid in zip(c.logprobs, c.token_ids):
-            sampled = pos.get(tid) or next(iter(pos.values()))
-            token = sampled.decoded_token or ""
-            content.append(
-                ChatTokenLogprob(
-                    token=token,
-                    logprob=_finite(sampled.logprob),
-                    bytes=list(token.encode()),
-                    top_logprobs=_chat_top(pos, top_n),
-                )
-            )
-        return ChatLogprobs(content=content)
-
-    def _chat_response(self, rec, prompts, req: ChatCompletionRequest, outs, usage) -> dict:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self._chat_logprobs(c, req.top_logprobs or 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in outs
-        ]
+    def _chat_response(self, shaper: ChatShaper, rec, prompts, req, outs, usage) -> dict:
         return ChatCompletionResponse(
-            id=rec.request_id, model=self.model_name, choices=choices, usage=usage
-        ).model_dump()
-
-    def _chat_chunks(self, rec, created, prompts, req: ChatCompletionRequest, n, i, out, state):
-        for c in out.outputs:
-            choices = []
-            if c.index not in state:
-                state[c.index] = True
-                choices.append(
-                    ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
-                )
-            if c.text or c.finish_reason is not None or c.logprobs:
-                choices.append(
-                    ChatChunkChoice(
-                        index=c.index,
-                        delta=DeltaMessage(content=c.text or None),
-                        logprobs=self._chat_logprobs(c, req.top_logprobs or 0),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                )
-            for choice in choices:
-                yield ChatCompletionChunk(
-                    id=rec.request_id, created=created, model=self.model_name, choices=[choice]
-                ).model_dump(exclude_none=False)
+            id=rec.request_id, model=self.model_name, choices=shaper.choices(outs), usage=usage,
+            prompt_logprobs=echo_lp.prompt_logprobs_json(prompts[0].prompt_logprobs),
+        ).model_dump()  # fmt: skip
 
 
 def _record(raw: Request, endpoint: str, id_prefix: str) -> RequestRecord:
@@ -546,28 +516,20 @@ def _record(raw: Request, endpoint: str, id_prefix: str) -> RequestRecord:
     return RequestRecord(client_id, endpoint, f"{client_id}~{uuid.uuid4().hex[:12]}")
 
 
-def _finite(x: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number. -9999 is what the OpenAI API itself uses.
-    return x if x > -9999.0 else -9999.0
-
-
 def _top_dict(pos: dict[int, Logprob]) -> dict[str, float]:
     out: dict[str, float] = {}
     for lp in sorted(pos.values(), key=lambda lp: lp.rank or 0):
-        out.setdefault(lp.decoded_token or "", _finite(lp.logprob))
+        out.setdefault(lp.decoded_token or "", echo_lp.finite_logprob(lp.logprob))
     return out
 
 
-def _chat_top(pos: dict[int, Logprob], k: int) -> list[TopLogprob]:
-    """The k most likely tokens at a position (by rank), whatever was sampled."""
-    ranked = sorted(pos.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
-    seen: list[TopLogprob] = []
-    for lp in ranked:
-        if len(seen) == k:
-            break
-        tok = lp.decoded_token or ""
-        seen.append(TopLogprob(token=tok, logprob=_finite(lp.logprob), bytes=list(tok.encode())))
-    return seen
+def _constraint_source(req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field an output constraint came from (the ``param`` of its 400)."""
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    if req.response_format_constrains:
+        return "response_format"
+    return "tools"
 
 
 def _sse(obj: dict) -> bytes:

@@ -67,6 +67,9 @@ class InputBatch:
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)  # the row's request has its own generator
+        self.has_logit_bias = np.zeros(max_num_reqs, dtype=bool)
+        # prompt logprobs asked (top-n; -1: none): the model runner computes them for the prompt positions
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
 
     # ---- diff application ---------------------------------------------------------------------
 
@@ -101,6 +104,8 @@ class InputBatch:
         self.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[i] = sp.min_tokens
         self.seeded[i] = state.generator is not None
+        self.has_logit_bias[i] = bool(sp.logit_bias)
+        self.num_prompt_logprobs[i] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         return i
 
     def append_block_ids(self, i: int, block_ids: list[int], record: bool = True) -> None:
@@ -151,7 +156,7 @@ class InputBatch:
             self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
             self.temperature, self.top_p, self.top_k, self.min_p, self.frequency_penalty,
             self.presence_penalty, self.repetition_penalty, self.num_logprobs, self.has_penalty, self.min_tokens,
-            self.seeded,
+            self.seeded, self.has_logit_bias, self.num_prompt_logprobs,
         ):  # fmt: skip
             arr[dst] = arr[src]
 
@@ -207,6 +212,18 @@ class InputBatch:
                 cols[None, :] < self.num_prompt_tokens[:n, None], self.token_ids[:n, :width], self.vocab_size
             )
             prompt_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
+        logit_bias = None
+        biased = np.flatnonzero(self.has_logit_bias[:n]).tolist()
+        if biased:
+            rows: list[int] = []
+            cols: list[int] = []
+            biases: list[float] = []
+            for i in biased:
+                bias = self.states[i].sampling_params.logit_bias
+                rows.extend([i] * len(bias))
+                cols.extend(bias)
+                biases.extend(bias.values())
+            logit_bias = (rows, cols, biases)
         return SamplingMetadata(
             temperature=torch.from_numpy(temp.copy()).to(dev),
             all_greedy=all_greedy,
@@ -230,6 +247,7 @@ class InputBatch:
             else torch.from_numpy(self.repetition_penalty[:n].copy()).to(dev),
             min_tokens=min_tokens,
             default_generator=default_generator,
+            logit_bias=logit_bias,
         )
 
 

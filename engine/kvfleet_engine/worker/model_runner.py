@@ -22,8 +22,10 @@ from kvfleet_engine.models.architectures import get_model_class
 from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.ops import attention_cpu
 from kvfleet_engine.ops.attention_torch import make_plan
+from kvfleet_engine.structured_output.bitmask import apply_token_bitmask
 from kvfleet_engine.worker.cuda_graph import CaptureFn, CudaGraphCapture, DecodeGraphs
 from kvfleet_engine.worker.input_batch import CachedRequestState, InputBatch, new_request_state
+from kvfleet_engine.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +277,14 @@ class ModelRunner:
                 self.busy_intervals.append((t0, time.perf_counter()))
                 return None
             logits = self.model.compute_logits(hidden[logits_idx])
-        out = self._sample(logits, q_lens)
+        # Prompt logprobs of the prompt positions this step ran (only rows that asked; a graph step's
+        # rows are single tokens in batch order, which the plan's row arithmetic covers too).
+        plan = plan_prompt_logprobs(self.batch, q_lens, step.logits_idx)
+        prompt_logprobs = None
+        if plan is not None:
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, plan, self.config.model.vocab_size)
+        out = self._sample(logits, q_lens, sched)
+        out.prompt_logprobs = prompt_logprobs
         self.busy_intervals.append((t0, time.perf_counter()))
         return out
 
@@ -338,8 +347,11 @@ class ModelRunner:
             torch.from_numpy(step.logits_idx).to(dev),
         )
 
-    def _sample(self, logits: torch.Tensor, q_lens: np.ndarray) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, q_lens: np.ndarray, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch, n = self.batch, len(q_lens)
+        if sched.grammar_bitmask is not None:
+            rows = [batch.req_id_to_index[rid] for rid in sched.structured_req_ids]
+            apply_token_bitmask(logits, sched.grammar_bitmask, rows)
         # Rows still mid-prefill sample nothing; their seeded generators must not advance either.
         completes = batch.num_computed_tokens[:n] + q_lens >= batch.num_tokens[:n]
         saved = {}
