@@ -47,6 +47,7 @@ from kvfleet_common.openai_tools import (
     ToolCall,
     ToolChoiceRules,
     ToolDefinition,
+    with_legacy_guided_fields_renamed,
     without_none,
 )
 
@@ -144,6 +145,11 @@ class _SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
 
     _texts = field_validator("model", "stop", "user", "cache_salt")(_utf8)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_guided_fields(cls, data: Any) -> Any:
+        return with_legacy_guided_fields_renamed(data)
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> _SamplingRequest:

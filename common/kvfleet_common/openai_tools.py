@@ -86,6 +86,34 @@ class StructuredOutputsRequest(BaseModel):
         }  # fmt: skip
 
 
+# vLLM's older request fields for output constraints -> their structured_outputs names.
+_LEGACY_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def with_legacy_guided_fields_renamed(data: Any) -> Any:
+    """A raw request with vLLM's older names (``guided_json``, ``guided_regex``, ``guided_choice``,
+    ``guided_grammar``) read as ``structured_outputs``: clients written for vLLM still send them, and
+    ignoring them would answer free text to a request that asked for a schema (worse than a 400)."""
+    if not isinstance(data, dict):
+        return data
+    given = {key: data[key] for key in _LEGACY_GUIDED if data.get(key) is not None}
+    if not given:
+        return data
+    if len(given) > 1 or data.get("structured_outputs") is not None:
+        raise ValueError(
+            f"give one output constraint: {', '.join(sorted(given))} and structured_outputs exclude each other"
+        )
+    ((key, value),) = given.items()
+    renamed = {k: v for k, v in data.items() if k not in _LEGACY_GUIDED}
+    renamed["structured_outputs"] = {_LEGACY_GUIDED[key]: value}
+    return renamed
+
+
 MAX_TOOLS = 128  # OpenAI's limit on a request's functions
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 

@@ -213,3 +213,24 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_from(server,
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == "invalid_structured_output", error
     assert "does not compile" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("legacy", "check"),
+    [
+        ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+        ({"guided_regex": "[0-9]{3}"}, lambda text: len(text) == 3 and text.isdigit()),
+        ({"guided_json": {"type": "boolean"}}, lambda text: json.loads(text) in (True, False)),
+    ],
+)
+def test_vllms_older_guided_fields_constrain_the_output(server, legacy, check):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, **legacy})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+def test_two_constraints_old_and_new_are_a_400(server):
+    body = {"prompt": "hi", "guided_regex": "a", "structured_outputs": {"regex": "b"}}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400 and "exclude each other" in r.json()["error"]["message"], r.text
