@@ -37,17 +37,18 @@ def _reference_mask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) 
 
 
 @pytest.mark.parametrize("vocab", [64, 70, 100])  # equal to, narrower than and wider than 32 x words
-def test_bitmask_masks_exactly_the_cleared_bits_of_the_chosen_rows(vocab, test_device):
+@pytest.mark.parametrize("rows", [[3, 1], [0, 1, 2, 3]])  # some rows (gathered), every row in order
+def test_bitmask_masks_exactly_the_cleared_bits_of_the_chosen_rows(vocab, rows, test_device):
     rng = np.random.default_rng(vocab)
     words = 3 if vocab != 64 else 2
-    bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
+    bitmask = rng.integers(-(2**31), 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
-    rows = [3, 1]
     expected = _reference_mask(logits, bitmask, rows)
     got = logits.to(test_device)
     apply_token_bitmask(got, bitmask, rows)
     assert torch.equal(got.cpu(), expected)
-    assert torch.equal(got.cpu()[[0, 2]], logits[[0, 2]])  # rows without a grammar are untouched
+    untouched = [r for r in range(4) if r not in rows]
+    assert torch.equal(got.cpu()[untouched], logits[untouched])  # rows without a grammar
 
 
 def test_params_canonicalise_schemas_and_refuse_ambiguity():
