@@ -17,19 +17,13 @@ import json
 import re
 from typing import Any
 
+import jsonschema
 import pytest
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.structured_output.params import StructuredOutputsParams
 from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
 from tests.engine.structured_schemas import validate_instance as validate_json
-
-jsonschema = pytest.importorskip("jsonschema")
-structured_output = pytest.importorskip("kvfleet_engine.structured_output")
-pytestmark = pytest.mark.skipif(
-    not getattr(structured_output, "STRUCTURED_OUTPUTS_ENFORCED", False),
-    reason="the engine does not enforce structured outputs yet",
-)
 
 # With the engine's default JSON whitespace (runs of up to 24 characters between tokens) a random model
 # pads every gap, which multiplies an instance's length: the longest corpus instance then stays under

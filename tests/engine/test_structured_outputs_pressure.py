@@ -9,19 +9,13 @@ responses are the same tokens as the same request run alone.
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.structured_output.params import StructuredOutputsParams
 from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS
 from tests.engine.structured_schemas import validate_instance as validate_json
-
-jsonschema = pytest.importorskip("jsonschema")
-structured_output = pytest.importorskip("kvfleet_engine.structured_output")
-pytestmark = pytest.mark.skipif(
-    not getattr(structured_output, "STRUCTURED_OUTPUTS_ENFORCED", False),
-    reason="the engine does not enforce structured outputs yet",
-)
 
 STEP_TOKEN_BUDGET = 32
 KV_BLOCKS = 80

@@ -16,13 +16,6 @@ import pytest
 
 from tests.engine.structured_schemas import SCHEMAS, validate_instance
 
-jsonschema = pytest.importorskip("jsonschema")
-structured_output = pytest.importorskip("kvfleet_engine.structured_output")
-pytestmark = pytest.mark.skipif(
-    not getattr(structured_output, "STRUCTURED_OUTPUTS_ENFORCED", False),
-    reason="the engine does not enforce structured outputs yet",
-)
-
 # The server's max_model_len is 512 (tests/server/conftest.py): a short prompt plus this fits, and the
 # corpus's longest greedy instance with the engine's default (bounded) JSON whitespace is well under it.
 MAX_TOKENS = 440

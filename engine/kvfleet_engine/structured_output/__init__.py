@@ -3,6 +3,3 @@
 ``params`` (what a request asks), ``backend`` (llguidance: compile and validate), ``manager`` (the
 engine core's compile queue, cache and per-step bitmasks), ``bitmask`` (masking the logits).
 """
-
-# The engine core enforces constraints end to end (helpers and tests key on this marker).
-STRUCTURED_OUTPUTS_ENFORCED = True
