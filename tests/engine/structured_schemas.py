@@ -459,3 +459,24 @@ def validate_instance(text: str, schema: dict[str, Any]) -> Any:
     exact_schema = json.loads(json.dumps(schema), parse_float=Decimal)
     jsonschema.validate(instance, exact_schema, cls=jsonschema.Draft202012Validator)
     return instance
+
+
+def corpus_failures(outputs, names: list[str]) -> list[str]:
+    """Why completions are not complete, valid instances: request ``i`` of ``outputs`` (``RequestOutput``s)
+    was constrained by ``SCHEMAS[names[i]]``; each completion must end with "stop" (its grammar completed)
+    and validate. An empty list: all of them are."""
+    import jsonschema
+
+    failures = []
+    for name, out in zip(names, outputs, strict=True):
+        for completion in out.outputs:
+            if completion.finish_reason != "stop":
+                failures.append(
+                    f"{name}: finish {completion.finish_reason} after {len(completion.token_ids)} tokens"
+                )
+                continue
+            try:
+                validate_instance(completion.text, SCHEMAS[name])
+            except (ValueError, jsonschema.ValidationError) as e:
+                failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]} in {completion.text[:300]!r}")
+    return failures

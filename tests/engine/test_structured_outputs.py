@@ -22,7 +22,7 @@ import pytest
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.structured_output.params import StructuredOutputsParams
-from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
+from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS, corpus_failures, prompt_for
 from tests.engine.structured_schemas import validate_instance as validate_json
 
 # With the engine's default JSON whitespace (runs of up to 24 characters between tokens) a random model
@@ -55,19 +55,8 @@ def _json_params(schema: dict[str, Any], **kw: Any) -> StructuredOutputsParams:
 
 
 def _assert_corpus_outputs(outputs, names: list[str], n: int) -> None:
-    failures = []
-    for name, out in zip(names, outputs):
-        assert len(out.outputs) == n
-        for completion in out.outputs:
-            if completion.finish_reason != "stop":
-                failures.append(
-                    f"{name}: finish {completion.finish_reason} after {len(completion.token_ids)} tokens"
-                )
-                continue
-            try:
-                validate_json(completion.text, SCHEMAS[name])
-            except (ValueError, jsonschema.ValidationError) as e:
-                failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]} in {completion.text[:300]!r}")
+    assert all(len(out.outputs) == n for out in outputs)
+    failures = corpus_failures(outputs, names)
     assert not failures, "\n".join(failures)
 
 

@@ -9,13 +9,11 @@ responses are the same tokens as the same request run alone.
 
 from __future__ import annotations
 
-import jsonschema
 import pytest
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.structured_output.params import StructuredOutputsParams
-from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS
-from tests.engine.structured_schemas import validate_instance as validate_json
+from tests.engine.structured_schemas import MAX_TOKENS, SCHEMAS, corpus_failures
 
 STEP_TOKEN_BUDGET = 32
 KV_BLOCKS = 80
@@ -75,18 +73,7 @@ def test_corpus_conforms_through_chunked_prefill_and_preemption(llm):
     assert llm.engine.scheduler.num_preemptions > preemptions_before, (
         "the small KV cache forced no preemption"
     )
-    failures = []
-    for name, out in zip(names, outputs):
-        for completion in out.outputs:
-            if completion.finish_reason != "stop":
-                failures.append(
-                    f"{name}: finish {completion.finish_reason} after {len(completion.token_ids)}"
-                )
-                continue
-            try:
-                validate_json(completion.text, SCHEMAS[name])
-            except (ValueError, jsonschema.ValidationError) as e:
-                failures.append(f"{name}: {e!s:.200} in {completion.text[:300]!r}")
+    failures = corpus_failures(outputs, names)
     assert not failures, "\n".join(failures)
 
     # Greedy responses that went through preemption are the tokens of the same request run alone.
