@@ -1,4 +1,5 @@
-"""Prometheus metrics of one engine replica (names prefixed ``kvfleet_engine_``).
+"""Prometheus metrics of one engine replica (names prefixed ``kvfleet_engine_``, and vLLM's ``vllm:``
+names for the same values: ``vllm_metrics.py``).
 
 Request-level figures (latencies, token counts, statuses) are observed in the API server as
 requests stream; engine-level gauges (running/waiting, KV usage, prefix-cache hits, sleep) are
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvfleet_common.server_kit.runtime_metrics import add_process_collectors, loop_lag_histogram
 from kvfleet_engine.core.messages import CoreStats
+from kvfleet_engine.server.vllm_metrics import VllmMetricsCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5,
                     10, 20, 40, 80)  # fmt: skip
@@ -100,6 +102,8 @@ class EngineMetrics:
             registry=r,
         )
         self.healthy = Gauge("kvfleet_engine_healthy", "1 while the engine core is alive", labels, registry=r)
+        # The same values under vLLM's names, for gateways and tools that read those (vllm_metrics.py).
+        r.register(VllmMetricsCollector(self))
 
     def update_from_stats(self, s: CoreStats, healthy: bool) -> None:
         m = self.model_name
