@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from prometheus_client.metrics import MetricWrapperBase
-
-    from kvfleet_engine.server.metrics import EngineMetrics
-
 
 class VllmMetricsCollector(Collector):
-    def __init__(self, metrics: EngineMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: object) -> None:
+        """``metrics``: the server's ``EngineMetrics`` (not imported: it registers this collector)."""
         self.started = time.time()
         m = metrics
         # (source, vLLM family name, vLLM type, documentation); several names for one source are aliases
