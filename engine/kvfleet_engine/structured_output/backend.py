@@ -56,10 +56,22 @@ def grammar_source(params: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(params.grammar)
 
 
+# Verdicts of ``validate`` by cache key: a request is checked where it is built (the server, before
+# tokenizing) and again by the InputProcessor for each of its n sequences; a schema is parsed once.
+_VERDICTS: dict[tuple[str, str, bool], str] = {}
+_MAX_VERDICTS = 1024
+
+
 def validate(params: StructuredOutputsParams) -> None:
     """Raise ``GrammarError`` unless ``params`` compiles. Needs no tokenizer: the API server calls it
     on every structured request, so a bad grammar is a 400 there and never reaches the engine core."""
-    problem = llguidance.LLMatcher.validate_grammar(grammar_source(params))
+    key = params.cache_key
+    problem = _VERDICTS.get(key)
+    if problem is None:
+        problem = llguidance.LLMatcher.validate_grammar(grammar_source(params))
+        if len(_VERDICTS) >= _MAX_VERDICTS:
+            _VERDICTS.clear()
+        _VERDICTS[key] = problem
     if problem:
         raise GrammarError(f"the {_KIND_NAMES[params.kind]} does not compile: {_first_lines(problem)}")
 
