@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import re
 
+from kvfleet_operator.crd_autoscaling import (
+    AUTOSCALING_ZERO_AFTER_SLEEP_MESSAGE,
+    autoscaling_spec_schema,
+    autoscaling_status_schema,
+)
 from kvfleet_operator.engine_fields import engine_default
 from kvfleet_operator.openapi_schema import (
     byte_quantity,
@@ -239,7 +244,9 @@ def inference_model_schema() -> dict:
                 },
             },
             "engine": _engine_schema(),
-            "replicas": integer(0, 1024, 1, description="Data-parallel replicas (one pod each)."),
+            "replicas": integer(
+                0, 1024, 1, description="Data-parallel replicas (one pod each); ignored with autoscaling."
+            ),
             "accelerator": {
                 "type": "string",
                 "enum": list(ACCELERATORS),
@@ -277,6 +284,7 @@ def inference_model_schema() -> dict:
                     "level": integer(1, 2, 1, description="1: offload weights to host; 2: discard weights."),
                 },
             },
+            "autoscaling": autoscaling_spec_schema(),
             "routing": {
                 "type": "object",
                 "default": {},
@@ -307,6 +315,11 @@ def inference_model_schema() -> dict:
                 "rule": "!(self.accelerator == 'cpu' && has(self.engine.gpuMemoryUtilization))",
                 "message": "gpuMemoryUtilization needs accelerator nvidia; size the cache with kvCacheMemory on cpu",
             },
+            {
+                "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || self.sleep.idleSeconds == 0 "
+                "|| self.autoscaling.scaleToZeroAfterSeconds > self.sleep.idleSeconds",
+                "message": AUTOSCALING_ZERO_AFTER_SLEEP_MESSAGE,
+            },
         ],
     }
     status = {
@@ -321,6 +334,7 @@ def inference_model_schema() -> dict:
             "awakeReplicas": integer(0),
             "sleepingReplicas": integer(0),
             "lastActivity": {"type": "string", "format": "date-time"},
+            "autoscaling": autoscaling_status_schema(),
             "conditions": conditions_schema(),
         },
     }

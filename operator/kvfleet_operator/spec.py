@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvfleet_operator.autoscaling import DEFAULT_TARGETS, AutoscalingPolicy
 from kvfleet_operator.engine_fields import ENGINE_FIELDS
 from kvfleet_operator.validation import (
     SpecError,
@@ -122,6 +123,7 @@ class ModelSpec:
     sleep_level: int
     routing_policy: str
     allowed_tenants: tuple[str, ...] | None
+    autoscaling: AutoscalingPolicy | None = None  # None: spec.replicas is fixed
 
 
 def model_spec_from(obj: dict) -> ModelSpec:
@@ -164,6 +166,23 @@ def model_spec_from(obj: dict) -> ModelSpec:
         sleep_level=spec["sleep"]["level"],
         routing_policy=spec["routing"]["policy"],
         allowed_tenants=_allowed_tenants(spec),
+        autoscaling=autoscaling_policy(spec.get("autoscaling")),
+    )
+
+
+def autoscaling_policy(scaling: dict | None) -> AutoscalingPolicy | None:
+    """The policy of a validated, defaulted ``spec.autoscaling``; its target defaults by metric."""
+    if scaling is None:
+        return None
+    metric = scaling["metric"]
+    return AutoscalingPolicy(
+        min_replicas=scaling["minReplicas"],
+        max_replicas=scaling["maxReplicas"],
+        metric=metric,
+        target=float(scaling.get("target", DEFAULT_TARGETS[metric])),
+        scale_up_stabilization_s=float(scaling["scaleUpStabilizationSeconds"]),
+        scale_down_delay_s=float(scaling["scaleDownDelaySeconds"]),
+        scale_to_zero_after_s=float(scaling["scaleToZeroAfterSeconds"]),
     )
 
 

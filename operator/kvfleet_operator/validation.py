@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 
-from kvfleet_operator import crds, openapi_schema
+from kvfleet_operator import crd_autoscaling, crds, openapi_schema
 from kvfleet_operator.engine_fields import crd_name
 
 
@@ -157,6 +157,27 @@ def inference_model_rule_errors(spec: dict) -> list[str]:
     for i, arg in enumerate(engine.get("extraArgs", [])):
         if sets_managed_flag(arg):
             errors.append(f"spec.engine.extraArgs[{i}]: {arg!r}: {crds.EXTRA_ARGS_MESSAGE}")
+    return errors + autoscaling_rule_errors(spec)
+
+
+def autoscaling_rule_errors(spec: dict) -> list[str]:
+    """The CEL rules on spec.autoscaling (and its spec-level one with spec.sleep), on a defaulted spec."""
+    scaling = spec.get("autoscaling")
+    if scaling is None:
+        return []
+    errors: list[str] = []
+    low, high = scaling["minReplicas"], scaling["maxReplicas"]
+    if low > high:
+        errors.append(f"spec.autoscaling: {crd_autoscaling.AUTOSCALING_MIN_MAX_MESSAGE} (got {low} > {high})")
+    target = scaling.get("target")
+    if scaling["metric"] == "kvCacheUsage" and target is not None and target > 1:
+        errors.append(f"spec.autoscaling.target: {crd_autoscaling.AUTOSCALING_KV_TARGET_MESSAGE} (got {target})")
+    idle, zero_after = spec["sleep"]["idleSeconds"], scaling["scaleToZeroAfterSeconds"]
+    if low == 0 and idle > 0 and zero_after <= idle:
+        errors.append(
+            f"spec.autoscaling.scaleToZeroAfterSeconds: {crd_autoscaling.AUTOSCALING_ZERO_AFTER_SLEEP_MESSAGE} "
+            f"(got {zero_after} <= {idle})"
+        )
     return errors
 
 

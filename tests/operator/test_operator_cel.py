@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet_operator import crds, manifests, openapi_schema
+from kvfleet_operator import crd_autoscaling, crds, manifests, openapi_schema
 from kvfleet_operator.spec import model_spec_from
 from kvfleet_operator.validation import (
     SpecError,
@@ -76,6 +76,15 @@ CEL_VIOLATIONS = {
     ),
     crds.EXTRA_ARGS_MESSAGE: model(engine={"extraArgs": ["--log-level", "debug", "--port=9000"]}),
     crds.MODEL_NAME_MESSAGE: model(name="Llama_3"),
+    # spec.autoscaling (more cases in test_autoscaling_spec.py)
+    crd_autoscaling.AUTOSCALING_MIN_MAX_MESSAGE: model(autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+    crd_autoscaling.AUTOSCALING_KV_TARGET_MESSAGE: model(
+        autoscaling={"maxReplicas": 2, "metric": "kvCacheUsage", "target": 1.5}
+    ),
+    crd_autoscaling.AUTOSCALING_ZERO_AFTER_SLEEP_MESSAGE: model(
+        autoscaling={"minReplicas": 0, "maxReplicas": 2, "scaleToZeroAfterSeconds": 60},
+        sleep={"idleSeconds": 600},
+    ),
 }
 
 
