@@ -33,7 +33,7 @@ kvf:ratelimit:<tenant>:<minute>        hash    120 s              gateway     {r
 kvf:usage:<tenant>                     hash    none               gateway     cumulative requests and tokens
 kvf:inflight:<tenant>                  zset    lease TTL (~10 s)  gateway     concurrency leases -> lease expiry (unix ms)
 kvf:gateways                           zset    none (pruned)      gateway     gateway id -> time of its last load report
-kvf:gateway:<gateway_id>:load          hash    10 s (refreshed)   gateway     that gateway's in-flight load per replica/tenant
+kvf:gateway:<gateway_id>:load          hash    10 s (refreshed)   gateway     that gateway's in-flight load per replica/tenant/model
 =====================================  ======  =================  ==========  =========================================
 
 A replica's heartbeat, its block set and its name record share one lifetime: every heartbeat
@@ -304,6 +304,12 @@ LOAD_FIELD_REPLICA_PROMPT_TOKENS = "rp:"
 """``gateway_load`` field prefix: + replica id -> prompt tokens routed there, not prefilled yet."""
 LOAD_FIELD_TENANT_REQUESTS = "t:"
 """``gateway_load`` field prefix: + tenant -> the tenant's requests in flight on that gateway."""
+LOAD_FIELD_MODEL_REQUESTS = "mi:"
+"""``gateway_load`` field prefix: + model -> requests that gateway has in flight to the model's replicas."""
+LOAD_FIELD_MODEL_HELD = "mh:"
+"""``gateway_load`` field prefix: + model -> requests that gateway holds for the model because no replica of
+it is awake yet (a cold start from zero replicas, or a wake of sleeping ones): demand the autoscaler sees
+before any replica does."""
 
 
 def gateways() -> str:
@@ -316,7 +322,9 @@ def gateway_load(gateway_id: str) -> str:
 
     Fields: ``ri:<replica_id>`` requests in flight to a replica, ``rp:<replica_id>`` prompt tokens
     routed there that have not produced a first token yet (queued prefill), ``t:<tenant>`` the
-    tenant's requests in flight (prefixes ``LOAD_FIELD_*``). Each gateway writes only its own hash
+    tenant's requests in flight, ``mi:<model>`` requests in flight to the model's replicas,
+    ``mh:<model>`` requests held for the model (no awake replica yet) (prefixes ``LOAD_FIELD_*``); a
+    count of zero is left out. Each gateway writes only its own hash
     (absolute values, never increments), so a gateway that dies takes its counts with it when the
     hash expires."""
     return _GATEWAY_LOAD.key(check_name(gateway_id, "gateway id"))
@@ -395,7 +403,8 @@ KEY_SPECS: tuple[KeySpec, ...] = (
     KeySpec("kvf:gateways", "zset", "none; members older than the load TTL pruned", "gateway", "gateway",
             "gateway id -> unix time of its last load report"),
     KeySpec("kvf:gateway:<gateway_id>:load", "hash", f"{GATEWAY_LOAD_TTL_S:g} s, refreshed every ~1 s", "gateway",
-            "gateway", "its in flight load: ri:<replica> requests, rp:<replica> queued prompt tokens, t:<tenant>"),
+            "gateway, operator", "its in flight load: ri:<replica> requests, rp:<replica> queued prompt tokens, "
+            "t:<tenant>, mi:<model> requests, mh:<model> requests held for a replica to wake or start"),
 )  # fmt: skip
 
 _SPEC_REGEXES = [(spec, spec.regex()) for spec in KEY_SPECS]

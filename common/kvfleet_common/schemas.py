@@ -140,7 +140,9 @@ class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     architecture).
 
     ``sleep_idle_seconds=None`` never sleeps the model for idleness; ``allowed_tenants=None`` lets
-    every tenant whose own ``models`` globs match call it.
+    every tenant whose own ``models`` globs match call it. ``scale_from_zero``: the model is autoscaled and
+    may have no replica at all; a gateway then holds its requests (counted in its load hash, which the
+    operator's autoscaler reads) until a replica is awake, instead of answering 503 ``no_replica``.
     """
 
     model: str
@@ -148,6 +150,7 @@ class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     sleep_idle_seconds: PosInt | None = None
     sleep_level: Literal[1, 2] = 1
     allowed_tenants: list[str] | None = None
+    scale_from_zero: bool = False
 
     def __post_init__(self) -> None:
         redis_keys.check_name(self.model, "model")

@@ -77,7 +77,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
         load = LoadTracker(config.gateway_id, calls, config.load_report_interval_s)
         tokenizers = TokenizerCache(lambda m, rev: calls("fetch_tokenizer", "background",
                                                          lambda: store.fetch_tokenizer(m, rev)))  # fmt: skip
-        waker = Waker(fleet, calls, http, metrics, trust, config.gateway_id, config.wake_timeout_s)
+        waker = Waker(fleet, calls, http, metrics, trust, config.gateway_id, config.wake_timeout_s, load)
+        metrics.model_load.source = lambda: load.model_counts(fleet.models)
         st = app.state
         st.store, st.fleet, st.http, st.load, st.waker, st.trust = store, fleet, http, load, waker, trust
         st.tenants = TenantCache(calls, config.tenant_cache_ttl_s, config.fleet_max_staleness_s)

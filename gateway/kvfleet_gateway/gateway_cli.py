@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--wake-timeout",
         type=float,
         default=120.0,
-        help="seconds a request waits for a sleeping model to wake before a 503",
+        help="seconds a request waits for a sleeping model to wake, or for a model scaled to zero to get a "
+        "replica, before a 503",
     )
     p.add_argument(
         "--registry-max-staleness",

@@ -4,7 +4,9 @@ The request path only changes local counters (no await, no Redis). A reporter ta
 absolute counts with ``FleetStore.report_gateway`` -- every ``interval`` (~50 ms) while something
 changed, and at least every second so the hash never expires while the gateway lives. Other gateways
 read them inside their admission round trip, so in-flight counts and queued prompt tokens are shared
-fleet-wide at most one interval late, without a Redis write on any request's path.
+fleet-wide at most one interval late, without a Redis write on any request's path. Per model it also
+publishes the requests in flight and the requests held for the model (no awake replica yet:
+``kvfleet_gateway.wake``), the demand the operator's autoscaler reads (``FleetStore.model_load``).
 
 Admission state lives here too: each request's ``Lease`` (its concurrency slot, which the admission round
 trip takes in Redis, and its tokens/min reservation). A released lease is removed from Redis by the next
@@ -40,6 +42,7 @@ class Ticket:
     replica_id: str
     tenant: str
     queued_tokens: int
+    model: str = ""
     prefilled: bool = False
     released: bool = False
 
@@ -67,6 +70,9 @@ class LoadTracker:
         self.replica_inflight: Counter[str] = Counter()
         self.replica_queued: Counter[str] = Counter()
         self.tenant_inflight: Counter[str] = Counter()
+        self.model_inflight: Counter[str] = Counter()
+        self.model_queued: Counter[str] = Counter()
+        self.model_held: Counter[str] = Counter()  # requests waiting for the model to have an awake replica
         self._usage: list[UsageRecord] = []
         self._dirty = asyncio.Event()
         self.leases: dict[str, dict[str, Lease]] = {}  # tenant -> id -> lease not released yet
@@ -77,18 +83,23 @@ class LoadTracker:
 
     # ---- request path (synchronous, local) -------------------------------------------------------------
 
-    def start(self, replica_id: str, tenant: str, queued_tokens: int) -> Ticket:
+    def start(self, replica_id: str, tenant: str, queued_tokens: int, model: str = "") -> Ticket:
         self.replica_inflight[replica_id] += 1
         self.replica_queued[replica_id] += queued_tokens
         self.tenant_inflight[tenant] += 1
+        if model:
+            self.model_inflight[model] += 1
+            self.model_queued[model] += queued_tokens
         self._dirty.set()
-        return Ticket(replica_id, tenant, queued_tokens)
+        return Ticket(replica_id, tenant, queued_tokens, model)
 
     def prefilled(self, t: Ticket) -> None:
         """The replica produced the first token: the request's prompt is no longer queued work."""
         if not t.prefilled and not t.released:
             t.prefilled = True
             self.replica_queued[t.replica_id] -= t.queued_tokens
+            if t.model:
+                self.model_queued[t.model] -= t.queued_tokens
             self._dirty.set()
 
     def release(self, t: Ticket, usage: UsageRecord | None) -> None:
@@ -98,7 +109,10 @@ class LoadTracker:
         t.released = True
         self.replica_inflight[t.replica_id] -= 1
         self.tenant_inflight[t.tenant] -= 1
-        for c in (self.replica_inflight, self.replica_queued, self.tenant_inflight):
+        if t.model:
+            self.model_inflight[t.model] -= 1
+        for c in (self.replica_inflight, self.replica_queued, self.tenant_inflight, self.model_inflight,
+                  self.model_queued):  # fmt: skip
             c += Counter()  # drops zero entries
         if usage is not None and len(self._usage) < MAX_PENDING_USAGE:
             self._usage.append(usage)
@@ -106,6 +120,24 @@ class LoadTracker:
 
     def local_replica_load(self, replica_id: str) -> tuple[int, int]:
         return self.replica_inflight[replica_id], self.replica_queued[replica_id]
+
+    def hold(self, model: str) -> None:
+        """A request waits for the model to get an awake replica (published as ``mh:<model>``)."""
+        self.model_held[model] += 1
+        self._dirty.set()
+
+    def unhold(self, model: str) -> None:
+        """The request's wait is over, however it ended (exactly once per ``hold``)."""
+        self.model_held[model] -= 1
+        if self.model_held[model] <= 0:
+            del self.model_held[model]
+        self._dirty.set()
+
+    def model_counts(self, models: Iterable[str]) -> dict[str, tuple[int, int, int]]:
+        """model -> (requests in flight, requests held, queued prompt tokens) on this gateway, for ``models``
+        (zeros included) and every model with a count."""
+        names = set(models) | self.model_inflight.keys() | self.model_held.keys() | self.model_queued.keys()
+        return {m: (self.model_inflight[m], self.model_held[m], self.model_queued[m]) for m in names}
 
     # ---- admission (synchronous, local) ------------------------------------------------------------------
 
@@ -165,12 +197,15 @@ class LoadTracker:
         if now - self._renewed_at >= HEARTBEAT_S:  # a lease lives LEASE_TTL_S (10 s): renewed every ~1 s
             leases = {t: [i for i, x in live.items() if x.shared] for t, live in self.leases.items()}
         load = {r: (n, self.replica_queued[r]) for r, n in self.replica_inflight.items()}
+        per_model = {m: (self.model_inflight[m], self.model_held[m])
+                     for m in self.model_inflight.keys() | self.model_held.keys()}  # fmt: skip
         store = self._redis.store
         try:
             await self._redis(
                 "report_gateway", "background",
                 lambda: store.report_gateway(self.gateway_id, load, dict(self.tenant_inflight), usage,
-                                           leases=leases, released=released, refunds=refunds),
+                                           leases=leases, released=released, refunds=refunds,
+                                           model_load=per_model),
             )  # fmt: skip
         except BaseException:
             self._usage[:0] = usage  # keep the usage and the refunds for the next report

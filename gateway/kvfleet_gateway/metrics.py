@@ -7,15 +7,20 @@ gateway's own endpoint, reason and status names. A model name a client made up i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvfleet_common.server_kit.runtime_metrics import add_process_collectors, loop_lag_histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # sub-millisecond resolution: the added latency budget is 2 ms (bench/gateway_overhead.py)
 _OVERHEAD_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # fmt: skip
+# a wake takes seconds, a cold start (a pod scheduled, an engine loading its weights) up to minutes
+_HOLD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -41,6 +46,41 @@ class Children(Generic[M]):
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
         return child
+
+
+ModelCounts = Mapping[str, tuple[int, int, int]]  # model -> (requests in flight, held, queued prompt tokens)
+
+
+class ModelLoadGauges(Collector):
+    """This gateway's per-model demand, read from the load tracker's counters when scraped (the request path
+    pays nothing more): the gauges an HPA or KEDA sums over the gateway pods. Every model the fleet knows
+    has a sample, 0 when idle, so a sum over gateways is never "no data"."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], ModelCounts] = dict  # set once the gateway's load tracker runs
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = self._families()
+        for model, counts in sorted(self.source().items()):
+            for family, value in zip(families, counts):
+                family.add_metric([model], value)
+        return iter(families)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("kvfleet_gateway_model_requests_in_flight",
+                              "Requests this gateway is proxying to the model's replicas now", labels=["model"]),
+            GaugeMetricFamily("kvfleet_gateway_model_requests_held",
+                              "Requests this gateway holds until the model has an awake replica (cold start "
+                              "from zero replicas, or a wake of sleeping ones)", labels=["model"]),
+            GaugeMetricFamily("kvfleet_gateway_model_queued_prompt_tokens",
+                              "Prompt tokens this gateway routed to the model's replicas that are not prefilled "
+                              "yet", labels=["model"]),
+        )  # fmt: skip
 
 
 class GatewayMetrics:
@@ -101,13 +141,24 @@ class GatewayMetrics:
         self.rejected = Children(Counter(
             "kvfleet_gateway_rejected_requests",
             "Requests refused before routing (reason: auth, forbidden, unknown_model, concurrency, requests, "
-            "tokens, no_replica, wake_timeout)",
+            "tokens, no_replica, wake_timeout, cold_start_timeout)",
             ["reason"], registry=r,
         ))  # fmt: skip
         self.wakes = Children(Counter(
             "kvfleet_gateway_wakes", "Wake-ups of sleeping models triggered by requests (outcome: woke, failed)",
             ["model", "outcome"], registry=r,
         ))  # fmt: skip
+        self.holds = Children(Counter(
+            "kvfleet_gateway_holds",
+            "Requests held until their model had an awake replica, by how the hold ended (kind: cold_start, "
+            "wake; outcome: served, timeout, shutdown)", ["model", "kind", "outcome"], registry=r,
+        ))  # fmt: skip
+        self.hold_seconds = Children(Histogram(
+            "kvfleet_gateway_hold_seconds", "How long requests were held for an awake replica (kind: cold_start, "
+            "wake)", ["model", "kind"], buckets=_HOLD_BUCKETS, registry=r,
+        ))  # fmt: skip
+        self.model_load = ModelLoadGauges()
+        r.register(self.model_load)
         self.upstream_errors = Children(Counter(
             "kvfleet_gateway_upstream_errors",
             "Upstream failures (kind: connect, status, midstream)", ["model", "kind"], registry=r,

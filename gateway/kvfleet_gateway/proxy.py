@@ -198,11 +198,11 @@ class Proxy:
         awake = [hb for hb in view.awake() if not self.fleet.is_down(hb.replica_id)]
         if awake:
             return awake
-        if not view.sleeping():
+        if not self.waker.can_hold(view):  # nothing asleep to wake, no cold start to wait for
             self.metrics.rejected.labels("no_replica").inc()
             raise ApiError(503, f"no replica of {r.model!r} is available right now; retry shortly",
                            code="no_replica", headers={"Retry-After": "5"})  # fmt: skip
-        await self.waker.ensure_awake(r.model)  # bounded; raises a 503 on timeout
+        await self.waker.ensure_awake(r.model)  # held (wake or cold start), bounded; a 503 on timeout
         view = self._check_model(r)
         awake = [hb for hb in view.awake() if not self.fleet.is_down(hb.replica_id)]
         if not awake:
@@ -319,7 +319,7 @@ class Proxy:
             })  # fmt: skip
         payload = upstream_payload(sent, body, r.tenant)
         ticket = self.load.start(
-            chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens)
+            chosen.replica_id, r.tenant.name, max(0, (r.prompt_tokens or 0) - chosen.matched_tokens), r.model
         )
         self.metrics.inflight.labels(r.model).inc()
         try:

@@ -6,8 +6,8 @@ Layout:
 - ``runner``: how an operation runs. Each operation is written once, as a generator (``Op``) that yields
   *round trips* (``Eval``: one Lua script; ``Batch``: one pipeline) and receives their replies; one sync
   and one async runner execute them. Also the Lua loader, the client reconnect policy and the errors.
-- one module per concern (``replicas``, ``kv_index``, ``admission``, ``tenants``, ``model_policy``,
-  ``tokenizers``, ``wake_locks``) holding its ``op_*`` generators and pure helpers (tested without Redis);
+- one module per concern (``replicas``, ``kv_index``, ``admission``, ``model_load``, ``tenants``,
+  ``model_policy``, ``tokenizers``, ``wake_locks``) holding its ``op_*`` generators and pure helpers (tested without Redis);
 - ``store``: the front ends ``FleetStore`` (sync ``redis.Redis``: the engine's presence thread, scripts,
   tests) and ``AsyncFleetStore`` (``redis.asyncio.Redis``: gateway, operator), the same typed methods,
   each running one concern's generator.

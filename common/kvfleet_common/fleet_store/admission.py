@@ -138,8 +138,10 @@ def op_report_gateway(
     leases: Mapping[str, Iterable[str]] | None = None,
     released: Mapping[str, Iterable[str]] | None = None,
     refunds: Sequence[Reservation] = (),
+    model_load: Mapping[str, tuple[int, int]] | None = None,
 ) -> Op:
-    """One pipeline: replace this gateway's load hash (absolute values; TTL refreshed), mark it alive,
+    """One pipeline: replace this gateway's load hash (absolute values; TTL refreshed; ``model_load``:
+    model -> (requests in flight to its replicas, requests held for it), read by ``op_model_load``), mark it alive,
     renew its live concurrency leases (``leases``: tenant -> ids; ``ZADD XX``, so a lease removed
     meanwhile is never revived), remove released ones (``released``), and settle finished requests:
     their real usage is added to the tenants' counters and to the tokens/min window of this minute,
@@ -160,6 +162,12 @@ def op_report_gateway(
     for name, n in sorted(tenant_inflight.items()):
         if n:
             fields += [keys.LOAD_FIELD_TENANT_REQUESTS + keys.check_name(name, "tenant"), int(n)]
+    for model, (inflight, held) in sorted((model_load or {}).items()):
+        keys.check_name(model, "model")
+        if inflight:
+            fields += [keys.LOAD_FIELD_MODEL_REQUESTS + model, int(inflight)]
+        if held:
+            fields += [keys.LOAD_FIELD_MODEL_HELD + model, int(held)]
     cmds: list[tuple[Any, ...]] = [("DEL", load_key)]
     if fields:
         cmds += [("HSET", load_key, *fields), ("PEXPIRE", load_key, ttl_ms(keys.GATEWAY_LOAD_TTL_S))]

@@ -19,6 +19,7 @@ from kvfleet_common import redis_keys as keys
 from kvfleet_common.fleet_store import (
     admission,
     kv_index,
+    model_load,
     model_policy,
     replicas,
     tenants,
@@ -27,6 +28,7 @@ from kvfleet_common.fleet_store import (
 )
 from kvfleet_common.fleet_store.admission import Admission, AdmitResult, Reservation, UsageRecord
 from kvfleet_common.fleet_store.kv_index import KVApplyResult, KVEvent
+from kvfleet_common.fleet_store.model_load import ModelLoad
 from kvfleet_common.fleet_store.runner import (
     Op,
     check_binary_client,
@@ -203,15 +205,22 @@ class _Operations:
         leases: Mapping[str, Iterable[str]] | None = None,
         released: Mapping[str, Iterable[str]] | None = None,
         refunds: Sequence[Reservation] = (),
+        model_load: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """Publish a gateway's in-flight load (replica -> (requests, queued prompt tokens); tenant ->
-        requests), renew / remove its concurrency leases and settle finished requests (usage charged,
-        reservations refunded), in one round trip (see ``admission.op_report_gateway``)."""
+        requests; model -> (requests in flight, requests held)), renew / remove its concurrency leases
+        and settle finished requests (usage charged, reservations refunded), in one round trip (see
+        ``admission.op_report_gateway``)."""
         return self._run(
             admission.op_report_gateway(
-                gateway_id, replica_load, tenant_inflight, usage, now, leases, released, refunds
+                gateway_id, replica_load, tenant_inflight, usage, now, leases, released, refunds, model_load
             )
         )
+
+    def model_load(self, model: str, now: float | None = None) -> ModelLoad:
+        """The model's demand as the live gateways report it (in flight, held, queued prompt tokens), summed
+        in two round trips (see ``model_load.op_model_load``): the operator's autoscaler reads it each tick."""
+        return self._run(model_load.op_model_load(model, now))
 
     def remove_gateway(self, gateway_id: str) -> None:
         return self._run(admission.op_remove_gateway(gateway_id))
