@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,8 @@ class LocalPlatform:
     ``models_root`` (the ``kvfleet-models`` claim), ``runner`` (the pod runner), ``admin_token``, and with
     the gateway ``gateway_url``. ``gateway_port``: the gateway's port (default: a free one).
     ``otlp_endpoint``: an OTLP/HTTP endpoint (``http://host:port``) the gateway and the engines export
-    their spans to.
+    their spans to. ``operator_autoscale_s``: the operator's autoscaler tick; ``gateway_args``: extra
+    ``kvfleet gateway`` flags (e.g. ``--wake-timeout``).
     """
 
     def __init__(
@@ -118,6 +119,8 @@ class LocalPlatform:
         probe_period_s: float = 0.5,
         gateway_port: int | None = None,
         otlp_endpoint: str | None = None,
+        operator_autoscale_s: float = 2.0,
+        gateway_args: Sequence[str] = (),
     ) -> None:
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-local-")).resolve()
@@ -128,6 +131,9 @@ class LocalPlatform:
         self.probe_period_s = probe_period_s
         self.gateway_port = gateway_port
         self.otlp_endpoint = otlp_endpoint
+        self.operator_autoscale_s = operator_autoscale_s
+        self.operator_metrics_port = 0  # set when the operator starts
+        self.gateway_args = tuple(gateway_args)
         self.pvc_root = self.work_dir / "pvc"
         self.models_root = self.pvc_root / MODELS_CLAIM
         self.kubeconfig = self.work_dir / "kubeconfig"
@@ -244,8 +250,13 @@ class LocalPlatform:
             "KVFLEET_REPLICA_KEY_ROOT": self.replica_key_root,
         }
 
+    def operator_metrics(self) -> str:
+        """The operator's Prometheus metrics (its ``--metrics-port``), as text."""
+        return httpx.get(f"http://127.0.0.1:{self.operator_metrics_port}/metrics", timeout=30).text
+
     def _start_operator(self) -> None:
         health_port = free_port()
+        self.operator_metrics_port = free_port()
         cmd = [
             sys.executable, "-m", "kvfleet_cli.main", "operator",
             f"--server={self.kube_url}",
@@ -255,6 +266,8 @@ class LocalPlatform:
             f"--liveness=http://127.0.0.1:{health_port}/healthz",
             f"--idle-check-seconds={self.operator_idle_check_s}",
             "--resync-seconds=5",
+            f"--autoscale-seconds={self.operator_autoscale_s}",
+            f"--metrics-port={self.operator_metrics_port}",
         ]  # fmt: skip
         if self.otlp_endpoint:
             cmd.append(f"--otlp-endpoint={self.otlp_endpoint}")
@@ -289,6 +302,7 @@ class LocalPlatform:
             sys.executable, "-m", "kvfleet_cli.main", "gateway",
             "--host", "127.0.0.1",
             "--port", str(port),
+            *self.gateway_args,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._secrets_env()}
         if self.otlp_endpoint:
@@ -322,8 +336,9 @@ class LocalPlatform:
 
     # ---- using it -------------------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, timeout: float = 120.0) -> str:
-        """Run ``kubectl`` against the platform; its stdout, or RuntimeError with its output."""
+    def kubectl(self, *args: str, timeout: float = 120.0, input_text: str | None = None) -> str:
+        """Run ``kubectl`` against the platform (``input_text`` on its stdin, e.g. for ``apply -f -``); its
+        stdout, or RuntimeError with its output."""
         exe = shutil.which("kubectl")
         if exe is None:
             raise RuntimeError("kubectl is not installed")
@@ -331,6 +346,7 @@ class LocalPlatform:
             [exe, f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.work_dir / 'kube-cache'}", *args],
             capture_output=True,
             text=True,
+            input=input_text,
             timeout=timeout,
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
             check=False,

@@ -53,7 +53,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,7 +216,10 @@ class PodRunner:
         return self.label in (deployment.get("metadata", {}).get("labels") or {})
 
     def _reconcile(self, api: Api) -> None:
-        existing = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in api.list("/api/v1/pods")}
+        pod_objects = {
+            (p["metadata"]["namespace"], p["metadata"]["name"]): p for p in api.list("/api/v1/pods")
+        }
+        existing = set(pod_objects)
         deployments = {
             (d["metadata"]["namespace"], d["metadata"]["name"]): d
             for d in api.list("/apis/apps/v1/deployments")
@@ -242,15 +245,18 @@ class PodRunner:
                 for pod in [p for p in fleet.pods if p.stopping]:
                     fleet.pods.remove(pod)
                     self._leaving.append(pod)
-            self._reconcile_deployment(api, fleet, dep)
+            self._reconcile_deployment(api, fleet, dep, deletion_costs(pod_objects.values()))
             self._write_deployment_status(api, fleet, dep)
 
     def _retire(self, pod: LocalPod) -> None:
         pod.stop()
         self._leaving.append(pod)
 
-    def _reconcile_deployment(self, api: Api, fleet: Fleet, dep: dict[str, Any]) -> None:
-        """One step of the Deployment controller: scale, then roll old pods out within the budget."""
+    def _reconcile_deployment(
+        self, api: Api, fleet: Fleet, dep: dict[str, Any], costs: Mapping[tuple[str, str], int]
+    ) -> None:
+        """One step of the Deployment controller: scale, then roll old pods out within the budget.
+        ``costs``: each pod's ``controller.kubernetes.io/pod-deletion-cost`` (absent: 0)."""
         spec = dep["spec"]
         desired = int(spec.get("replicas", 1))
         template = spec.get("template") or {}
@@ -259,10 +265,19 @@ class PodRunner:
         with self._lock:
             new = [p for p in fleet.pods if p.hash == current]
             old = [p for p in fleet.pods if p.hash != current]
-            # Scale down: not ready first, then the most restarted, then the newest.
+            # Scale down as a ReplicaSet ranks pods: not ready first, then the lowest deletion cost, then the
+            # most restarted, then the newest.
             extra = len(new) - desired
             if extra > 0:
-                ranked = sorted(new, key=lambda p: (p.reported_ready, -p.restart_count, -p.created))
+                ranked = sorted(
+                    new,
+                    key=lambda p: (
+                        p.reported_ready,
+                        costs.get((p.namespace, p.name), 0),
+                        -p.restart_count,
+                        -p.created,
+                    ),
+                )
                 for pod in ranked[:extra]:
                     fleet.pods.remove(pod)
                     self._retire(pod)
@@ -363,3 +378,19 @@ class PodRunner:
         merge_condition_times(previous, status["conditions"])
         if api.merge_patch(deployment_path(fleet.namespace, fleet.name) + "/status", {"status": status}):
             fleet.last_status = status
+
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def deletion_costs(pods: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    """(namespace, name) -> the pod's deletion cost annotation, where it has a valid one."""
+    costs: dict[tuple[str, str], int] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        raw = (meta.get("annotations") or {}).get(DELETION_COST)
+        try:
+            costs[meta["namespace"], meta["name"]] = int(raw)
+        except (TypeError, ValueError, KeyError):
+            continue
+    return costs

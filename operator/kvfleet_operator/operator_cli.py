@@ -219,6 +219,15 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--idle-check-seconds", type=float, default=30.0, help="how often idle models are checked")
     p.add_argument(
+        "--autoscale-seconds",
+        type=float,
+        default=2.0,
+        help="the autoscaler's tick (models with spec.autoscaling)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the operator's Prometheus metrics on this port"
+    )
+    p.add_argument(
         "--resync-seconds", type=float, default=60.0, help="how often Redis records are re-asserted"
     )
     p.add_argument("--verbose", action="store_true")
@@ -264,6 +273,8 @@ def _run_main(argv: list[str]) -> int:
         liveness=args.liveness,
         idle_check_seconds=args.idle_check_seconds,
         resync_seconds=args.resync_seconds,
+        autoscale_seconds=args.autoscale_seconds,
+        metrics_port=args.metrics_port,
         verbose=args.verbose,
         server=args.server,
     )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import kopf
+import prometheus_client
 
 from kvfleet_operator.handlers import kopf_registry
 from kvfleet_operator.handlers.context import RuntimeOptions, operator_memo
@@ -54,27 +55,42 @@ class RunArgs:
     priority: int = 0
     liveness: str | None = None
     identity: str | None = None  # peering identity (default: kopf's host@pid)
+    metrics_port: int | None = None  # serve the operator's Prometheus metrics on this port (0: any free one)
+    metrics_host: str = "0.0.0.0"
 
 
 async def run_async(args: RunArgs, *, stop_flag: object = None, ready_flag: object = None) -> None:
-    """Run kopf until ``stop_flag`` (any flag kopf accepts, e.g. a threading.Event) is set."""
+    """Run kopf until ``stop_flag`` (any flag kopf accepts, e.g. a threading.Event) is set; with
+    ``metrics_port``, serve the operator's Prometheus metrics meanwhile."""
     clusterwide = not args.namespaces
     settings = operator_settings(peering=args.peering, priority=args.priority, clusterwide=clusterwide)
     options = dataclasses.replace(args.options, peering=args.peering, peering_namespaces=args.namespaces)
-    await kopf.operator(
-        registry=kopf_registry(options),
-        settings=settings,
-        memo=operator_memo(args.config, options),
-        clusterwide=clusterwide,
-        namespaces=list(args.namespaces),
-        standalone=args.peering is None,
-        priority=args.priority,
-        peering_name=args.peering,
-        identity=args.identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
-        liveness_endpoint=args.liveness,
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-    )
+    memo = operator_memo(args.config, options)
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server, _ = prometheus_client.start_http_server(
+            args.metrics_port, args.metrics_host, registry=memo.context.metrics.registry
+        )
+        memo.context.metrics_port = metrics_server.server_port
+    try:
+        await kopf.operator(
+            registry=kopf_registry(options),
+            settings=settings,
+            memo=memo,
+            clusterwide=clusterwide,
+            namespaces=list(args.namespaces),
+            standalone=args.peering is None,
+            priority=args.priority,
+            peering_name=args.peering,
+            identity=args.identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
+            liveness_endpoint=args.liveness,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
 
 
 def run_operator(
@@ -86,6 +102,8 @@ def run_operator(
     liveness: str | None = None,
     idle_check_seconds: float = 30.0,
     resync_seconds: float = 60.0,
+    autoscale_seconds: float = 2.0,
+    metrics_port: int | None = None,
     verbose: bool = False,
     server: str | None = None,
 ) -> None:
@@ -97,12 +115,16 @@ def run_operator(
     args = RunArgs(
         config=config,
         options=RuntimeOptions(
-            server=server, idle_check_seconds=idle_check_seconds, resync_seconds=resync_seconds
+            server=server,
+            idle_check_seconds=idle_check_seconds,
+            resync_seconds=resync_seconds,
+            autoscale_seconds=autoscale_seconds,
         ),
         namespaces=tuple(namespaces),
         peering=peering,
         priority=priority,
         liveness=liveness,
+        metrics_port=metrics_port,
     )
     if peering is not None:
         kind = "KopfPeering in each watched namespace" if namespaces else "ClusterKopfPeering"

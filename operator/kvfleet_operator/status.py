@@ -1,5 +1,6 @@
 """Pure status logic: an InferenceModel's status from what its Deployment, pods and replicas (Redis
-heartbeats) report, and which replicas idle-sleep should put to sleep.
+heartbeats) report, which replicas idle-sleep should put to sleep, and how many replicas the Deployment
+should have (`asked_replicas`).
 
 Conditions follow metav1.Condition: ``lastTransitionTime`` changes only when ``status`` flips, so a
 status refresh that observes nothing new writes an identical status.
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvfleet_common.schemas import Heartbeat
+from kvfleet_operator.spec import ModelSpec
 
 # Container waiting reasons that mean a replica will not come up without someone acting.
 BROKEN_POD_REASONS = (
@@ -100,8 +102,11 @@ def model_status(
     pods: Sequence[dict[str, Any]] = (),
     previous_conditions: Sequence[dict[str, Any]] = (),
     now: datetime,
+    cold_starting: bool = False,
 ) -> dict[str, Any]:
-    """The full ``status`` of an InferenceModel whose spec is valid.
+    """The full ``status`` of an InferenceModel whose spec is valid. ``cold_starting``: the autoscaler
+    started the first replica of a model scaled to zero for a held request (reported as ``ColdStarting``, not
+    as a wake: a sleeping replica shows in the Sleeping condition).
 
     Precedence of ``phase``: Degraded (something needs a human) > Pending (no Deployment yet) >
     Progressing (a rollout or scale is under way) > Sleeping (every live replica sleeps) > ScaledToZero
@@ -157,13 +162,16 @@ def model_status(
         )
     elif ready < desired_replicas:
         progressing = Condition(
-            "Progressing", True, "ReplicasStarting", f"{ready}/{desired_replicas} replicas ready"
+            "Progressing",
+            True,
+            "ColdStarting" if cold_starting and not ready else "ReplicasStarting",
+            f"{ready}/{desired_replicas} replicas ready",
         )
     else:
         progressing = Condition("Progressing", False, "Complete", f"{desired_replicas} replicas up to date")
 
     if desired_replicas == 0:
-        ready_cond = Condition("Ready", False, "ScaledToZero", "spec.replicas is 0")
+        ready_cond = Condition("Ready", False, "ScaledToZero", "no replica is asked for")
     elif ready >= desired_replicas:
         ready_cond = Condition(
             "Ready", True, "AllReplicasReady", f"{ready}/{desired_replicas} replicas ready"
@@ -171,6 +179,10 @@ def model_status(
     elif ready > 0:
         ready_cond = Condition(
             "Ready", False, "SomeReplicasReady", f"{ready}/{desired_replicas} replicas ready"
+        )
+    elif cold_starting:
+        ready_cond = Condition(
+            "Ready", False, "ColdStarting", "starting the first replica for a held request (scaled to zero)"
         )
     else:
         ready_cond = Condition("Ready", False, "NoReplicasReady", f"0/{desired_replicas} replicas ready")
@@ -299,3 +311,22 @@ def replicas_to_sleep(
     if now - last < idle_seconds:
         return []
     return [hb for hb in heartbeats if hb.state == "awake" and hb.running == 0 and hb.waiting == 0]
+
+
+def asked_replicas(model: ModelSpec, status: dict[str, Any] | None) -> int:
+    """The replicas the model's Deployment should have: ``spec.replicas`` for a fixed-size model; for an
+    autoscaled one the autoscaler's last decision (``status.autoscaling.desiredReplicas``), kept inside
+    [minReplicas, maxReplicas]; minReplicas before the first decision."""
+    policy = model.autoscaling
+    if policy is None:
+        return model.replicas
+    decided = ((status or {}).get("autoscaling") or {}).get("desiredReplicas")
+    if not isinstance(decided, int):
+        return policy.min_replicas
+    return min(policy.max_replicas, max(policy.min_replicas, decided))
+
+
+def cold_starting(status: dict[str, Any] | None) -> bool:
+    """A cold start is under way: the autoscaler asked for a first replica and none has been ready since."""
+    cold = ((status or {}).get("autoscaling") or {}).get("lastColdStart") or {}
+    return bool(cold.get("startedAt")) and not cold.get("readyAt")

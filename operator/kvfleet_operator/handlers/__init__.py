@@ -1,7 +1,7 @@
 """kopf handlers: the thin I/O shell around the pure modules (validation, manifests, status).
 
 Every handler is a module-level function of this package, by concern: `models` (InferenceModel
-lifecycle), `model_status` (status following the Deployment and pods), `idle_sleep`, `tenants`,
+lifecycle), `model_status` (status following the Deployment and pods), `idle_sleep`, `autoscaler`, `tenants`,
 `activities` (login, cleanup) and `peering` (the missing-peering-object warning). They share one
 `context.OperatorContext` (configuration and clients), which reaches them through kopf's memo.
 
@@ -15,6 +15,7 @@ import kopf
 
 from kvfleet_operator import crds, manifests
 from kvfleet_operator.handlers.activities import close_clients, log_in
+from kvfleet_operator.handlers.autoscaler import autoscale_model, is_autoscaled
 from kvfleet_operator.handlers.context import RuntimeOptions
 from kvfleet_operator.handlers.model_status import follow_deployment
 from kvfleet_operator.handlers.models import delete_model, reconcile_model, resync_model
@@ -44,6 +45,13 @@ def kopf_registry(options: RuntimeOptions) -> kopf.OperatorRegistry:
         initial_delay=options.idle_check_seconds,
         registry=registry,
     )(resync_model)
+    kopf.timer(
+        *MODEL_RESOURCE,
+        interval=options.autoscale_seconds,
+        when=is_autoscaled,
+        id="autoscale_model",
+        registry=registry,
+    )(autoscale_model)
     kopf.timer(
         *TENANT_RESOURCE,
         interval=options.resync_seconds,

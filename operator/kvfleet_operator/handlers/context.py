@@ -18,7 +18,9 @@ import kopf
 from kvfleet_common.fleet_store.store import AsyncFleetStore
 from kvfleet_common.replica_credentials import ReplicaKeyRing, parse_key
 from kvfleet_common.schemas import Heartbeat
+from kvfleet_operator.autoscaling import ScalerMemory
 from kvfleet_operator.kube import KubeClient
+from kvfleet_operator.metrics import OperatorMetrics
 from kvfleet_operator.spec import OperatorConfig
 
 # Seconds before kopf retries a handler that failed for a passing reason (API server or Redis unavailable).
@@ -35,6 +37,7 @@ class RuntimeOptions:
     sleep_request_timeout: float = 30.0
     peering: str | None = None  # the kopf peering object's name; None: standalone
     peering_namespaces: tuple[str, ...] = ()  # where its KopfPeerings are; empty: a ClusterKopfPeering
+    autoscale_seconds: float = 2.0  # the autoscaler's tick (handlers.autoscaler)
 
 
 class OperatorContext:
@@ -54,6 +57,8 @@ class OperatorContext:
         self._kube: KubeClient | None = None
         self._store: AsyncFleetStore | None = None
         self._http: httpx.AsyncClient | None = None
+        self.metrics = OperatorMetrics()
+        self.metrics_port: int | None = None  # where they are served (runner), if they are
         root = config.replica_key_root
         self._replica_keys = ReplicaKeyRing(parse_key(root)) if root else None
 
@@ -119,6 +124,7 @@ class OperatorMemo(kopf.Memo):
 
     context: OperatorContext
     active_since: float  # per InferenceModel: when this run first checked it (see models.resync_model)
+    scaler: ScalerMemory  # per autoscaled InferenceModel: the autoscaler's memory (handlers.autoscaler)
 
 
 def operator_memo(config: OperatorConfig, options: RuntimeOptions) -> OperatorMemo:

@@ -17,7 +17,14 @@ from kvfleet_operator import crds, manifests
 from kvfleet_operator.handlers.context import OperatorContext, OperatorMemo
 from kvfleet_operator.kube import object_path
 from kvfleet_operator.spec import model_spec_from
-from kvfleet_operator.status import model_status, newly_true, rfc3339, status_changed
+from kvfleet_operator.status import (
+    asked_replicas,
+    cold_starting,
+    model_status,
+    newly_true,
+    rfc3339,
+    status_changed,
+)
 from kvfleet_operator.validation import SpecError
 
 
@@ -57,7 +64,8 @@ async def refresh_model_status(context: OperatorContext, namespace: str, name: s
         heartbeats = []
     previous = body.get("status", {}) or {}
     status = model_status(
-        desired_replicas=model.replicas,
+        desired_replicas=asked_replicas(model, previous),
+        cold_starting=cold_starting(previous),
         generation=model.generation,
         served_name=model.served_name,
         selector=selector,

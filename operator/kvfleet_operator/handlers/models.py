@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -24,7 +25,7 @@ from kvfleet_operator.handlers.idle_sleep import sleep_idle_replicas
 from kvfleet_operator.handlers.model_status import model_path, refresh_model_status
 from kvfleet_operator.kube import KubeError, object_path
 from kvfleet_operator.spec import ModelSpec, model_spec_from
-from kvfleet_operator.status import failed_status
+from kvfleet_operator.status import asked_replicas, failed_status
 from kvfleet_operator.validation import SpecError
 
 POD_STOP_POLL_S = 2.0
@@ -39,6 +40,8 @@ def model_policy_record(model: ModelSpec) -> ModelPolicy:
         sleep_idle_seconds=model.sleep_idle_seconds or None,
         sleep_level=model.sleep_level,  # type: ignore[arg-type]
         allowed_tenants=None if model.allowed_tenants is None else list(model.allowed_tenants),
+        # the gateways hold a request for a model with no replica while the autoscaler starts one
+        scale_from_zero=model.autoscaling is not None,
     )
 
 
@@ -73,6 +76,8 @@ async def reconcile_model(
         raise kopf.PermanentError(f"invalid spec: {error}") from e
     kube, store = context.kube(), context.store()
     previous_name = body.get("status", {}).get("servedName")
+    # An autoscaled model's Deployment keeps the autoscaler's last decision (re-applying never undoes it).
+    model = dataclasses.replace(model, replicas=asked_replicas(model, body.get("status")))
     try:
         for obj in manifests.children(model, context.config):
             await kube.apply(obj)
@@ -91,7 +96,8 @@ async def reconcile_model(
             body,
             type="Normal",
             reason="Created" if str(reason) == "create" else "Updated",
-            message=f"{model.replicas} replica(s) of {model.served_name} ({gpus} GPU(s) each)",
+            message=f"{model.replicas} replica(s) of {model.served_name} ({gpus} GPU(s) each)"
+            + (" now, autoscaled" if model.autoscaling else ""),
         )
     logger.info("applied %s: %d replicas", model.name, model.replicas)
     await refresh_model_status(context, model.namespace, model.name)
