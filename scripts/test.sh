@@ -11,4 +11,7 @@ if ! command -v redis-server >/dev/null; then
     || { $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq redis-server >/dev/null; }
 fi
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), each running whole test modules (module-scoped servers stay in one worker):
+# much of the suite waits on one process at a time (an engine booting, a server answering), so a second
+# worker uses the otherwise idle core.
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

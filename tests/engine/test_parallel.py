@@ -165,7 +165,11 @@ def structured_reference(demo_model, test_device):
     return get
 
 
-def test_structured_outputs_equal_single_process(parallel, structured_reference):
+def test_structured_outputs_equal_single_process(request, parallel, structured_reference):
+    if request.node.get_closest_marker("slow"):
+        # the grammar bitmask reaches every rank the same way in every layout: the three fast cases (TP, PP,
+        # TP x PP) cover it, and the suite's time goes to the parity tests of the other six
+        pytest.skip("structured outputs are checked on the fast TP/PP layouts")
     arch, llm = parallel
     got = _structured_texts(llm)
     assert got == structured_reference(arch)
