@@ -23,7 +23,10 @@ The rules, in order (each tick):
 5. **Scale to zero** only with ``minReplicas: 0``, when the model has had no demand at all (nothing in
    flight, held, running or waiting, and no request recorded) for ``scaleToZeroAfterSeconds``.
 
-A replica that never becomes ready adds no capacity and no demand: the recommendation depends on demand, not
+While none of the replicas asked for is ready yet (a cold start), nothing more is added, and the window of
+rule 3 starts over once one is: requests held that long are a backlog the first replica drains in seconds,
+not a rate (rule 3's exception). A replica that never becomes
+ready adds no capacity and no demand: the recommendation depends on demand, not
 on how many replicas are ready, so it neither triggers more scale-ups (each would wait for the same missing
 node) nor shrinks the ready ones. `decide` reports it (reason ``ReplicasNotReady``) while it lasts.
 
@@ -131,10 +134,13 @@ def decide(policy: AutoscalingPolicy, memory: ScalerMemory, sample: LoadSample) 
     if sample.last_request_at is not None and (active_at is None or sample.last_request_at > active_at):
         active_at = min(sample.last_request_at, now)
     wanted = recommend(policy, sample)
-    kept = tuple((t, r) for t, r in memory.recommendations if t >= now - horizon)
-    history = (*kept, (now, wanted))
-    remembered = ScalerMemory(recommendations=history, first_seen_at=first_seen, active_at=active_at)
     current = sample.replicas
+    starting_blind = current > 0 and sample.ready == 0 and wanted > current
+    kept = tuple((t, r) for t, r in memory.recommendations if t >= now - horizon)
+    # While no replica is ready the demand is not evidence for more (rule 3's exception): remembered as the
+    # current size, so the scale-up window starts over once a replica serves.
+    history = (*kept, (now, current if starting_blind else wanted))
+    remembered = ScalerMemory(recommendations=history, first_seen_at=first_seen, active_at=active_at)
 
     def verdict(replicas: int, reason: str, message: str) -> Decision:
         return Decision(replicas, reason, message, remembered, current)
@@ -150,6 +156,13 @@ def decide(policy: AutoscalingPolicy, memory: ScalerMemory, sample: LoadSample) 
         return verdict(policy.max_replicas, "AboveMaximum", f"maxReplicas is {policy.max_replicas}")
     load = f"{policy.metric} {demand(policy, sample):g} for a target of {policy.target:g} per replica"
 
+    if starting_blind:
+        # Rule 3's exception: while none of the replicas is ready yet (a cold start, or no node for any of
+        # them), the held requests are a backlog, not a rate: a trickle piles up for the whole start-up and
+        # would ask for replicas that sit idle once the first one drains it in seconds. More replicas would
+        # also wait for the same start-up (or the same missing node).
+        return verdict(current, "ReplicasNotReady",
+                       f"{load}: no replica ready yet; holding {current} until one is")  # fmt: skip
     if wanted > current:
         covered = first_seen <= now - policy.scale_up_stabilization_s
         settled = min(r for t, r in history if t >= now - policy.scale_up_stabilization_s)

@@ -60,16 +60,18 @@ def simulate(
     seconds: int,
     startup_s: float = 20.0,
     start_replicas: int = 1,
-    never_ready: int = 0,
+    never_ready_from: int | None = None,
     held_when_empty: bool = True,
 ) -> Run:
     """Tick once a second for ``seconds``; ``in_flight(t)`` is the demand. With no ready replica the
-    demand is held at the gateways (``held``); the ``never_ready`` replicas asked for last never start."""
+    demand is held at the gateways (``held``); replicas from index ``never_ready_from`` on (0-based, in
+    the order asked for) never start."""
     run, memory = Run(), ScalerMemory()
     asked_at: list[float] = [-1e9] * start_replicas  # when each replica was asked for (oldest first)
     for t in range(seconds):
         now = float(t)
-        ready = sum(1 for i, a in enumerate(asked_at) if now - a >= startup_s and i < len(asked_at) - never_ready)
+        ready = sum(1 for i, a in enumerate(asked_at)
+                    if now - a >= startup_s and (never_ready_from is None or i < never_ready_from))  # fmt: skip
         load = round(in_flight(now))
         held = load if ready == 0 and held_when_empty else 0
         sample = LoadSample(at=now, replicas=len(asked_at), ready=ready, in_flight=load - held, held=held,
@@ -166,12 +168,25 @@ def test_a_replica_that_never_becomes_ready_triggers_no_more_scale_ups_and_scale
     policy = AutoscalingPolicy(min_replicas=1, max_replicas=5, target=8, scale_up_stabilization_s=30,
                                scale_down_delay_s=120, scale_to_zero_after_s=600)  # fmt: skip
     # 24 in flight = 3 replicas' worth; the third replica asked for never starts (no node for it)
-    run = simulate(policy, step(50, 500, high=24, low=4), seconds=900, never_ready=1)
+    run = simulate(policy, step(50, 500, high=24, low=4), seconds=900, never_ready_from=2)
     assert max(run.replicas) == 3, "no replica beyond what the demand asks, though one never became ready"
     assert run.changes()[0] == (80.0, 1, 3)
     assert set(run.ready[200:500]) == {2}
     assert "ReplicasNotReady" in {d.reason for d in run.decisions[200:500]}
     assert run.replicas[-1] == 1  # the load went: back to the minimum
+
+
+def test_a_cold_start_asks_for_no_more_replicas_until_one_is_ready() -> None:
+    def backlog(t: float) -> float:  # a trickle of 0.6 req/s held from t=50: the held count keeps growing
+        return min(40.0, max(0.0, (t - 50) * 0.6))
+
+    # a 120 s start-up: the first replica (asked for at t=51) comes up at t=171; only then may the fleet grow
+    run = simulate(POLICY, backlog, seconds=400, start_replicas=0, startup_s=120)
+    assert run.at(55) == 1 and max(run.replicas[:171]) == 1
+    assert "ReplicasNotReady" in {d.reason for d in run.decisions[80:171]}
+    # no node for the pod at all: one pending replica, never a fleet of them
+    run = simulate(POLICY, backlog, seconds=400, start_replicas=0, startup_s=120, never_ready_from=0)
+    assert max(run.replicas) == 1
 
 
 def test_cold_start_asks_for_one_replica_at_once_for_a_held_request() -> None:
