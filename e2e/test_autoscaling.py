@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import redis
 
 from kvfleet_common.fleet_store.store import FleetStore
 from kvfleet_devkit.kube_emulator import eventually
@@ -76,15 +75,6 @@ def platform(tmp_path_factory) -> Iterator[LocalPlatform]:
         yield p
     finally:
         p.stop()
-
-
-@pytest.fixture(scope="module")
-def store(platform: LocalPlatform) -> Iterator[FleetStore]:
-    store = FleetStore(redis.Redis.from_url(platform.redis_url))
-    try:
-        yield store
-    finally:
-        store.close()
 
 
 @dataclass

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from kvfleet_common import redis_keys
 from kvfleet_common.fleet_store.store import FleetStore
@@ -76,15 +75,6 @@ def platform(tmp_path_factory, receiver) -> Iterator[LocalPlatform]:
         yield p
     finally:
         p.stop()
-
-
-@pytest.fixture(scope="module")
-def store(platform: LocalPlatform) -> Iterator[FleetStore]:
-    store = FleetStore(redis.Redis.from_url(platform.redis_url))
-    try:
-        yield store
-    finally:
-        store.close()
 
 
 def condition(status: dict, type_: str) -> dict:

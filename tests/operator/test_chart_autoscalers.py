@@ -16,18 +16,12 @@ from kvfleet_gateway.metrics import ModelLoadGauges
 from kvfleet_operator import crds
 from kvfleet_operator.autoscaling import DEFAULT_TARGETS
 from tests.operator.helm_chart import CHART, NAMESPACE, RELEASE, by_kind, helm, render, values_file
+from tests.operator.test_chart_helm import RECOMMENDED_LABELS
 
 K8S_VERSIONS = ("1.30", "1.33")
 IN_FLIGHT = "kvfleet_gateway_model_requests_in_flight"
 HELD = "kvfleet_gateway_model_requests_held"
 SCALE_TARGET_KEYS = {"apiVersion", "kind", "name"}
-RECOMMENDED_LABELS = (
-    "app.kubernetes.io/name",
-    "app.kubernetes.io/version",
-    "app.kubernetes.io/instance",
-    "app.kubernetes.io/part-of",
-    "app.kubernetes.io/managed-by",
-)
 
 AUTOSCALERS = [
     {"name": "llama", "namespace": "ml", "kind": "hpa", "maxReplicas": 4},  # every default
