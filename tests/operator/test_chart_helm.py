@@ -39,7 +39,7 @@ OWN_CRD_SCHEMAS = {
     "ClusterKopfPeering": crds.all_crds()["kopf-clusterkopfpeerings.yaml"],
     "KopfPeering": crds.all_crds()["kopf-kopfpeerings.yaml"],
 }
-UNCHECKED_KINDS = {"ServiceMonitor"}
+UNCHECKED_KINDS = {"ServiceMonitor", "PodMonitor"}
 RECOMMENDED_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/version",
