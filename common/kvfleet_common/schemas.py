@@ -134,7 +134,7 @@ class TenantRecord(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         return any(fnmatchcase(model, glob) for glob in self.models)
 
 
-class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Per-model routing and sleep policy the operator writes from the InferenceModel spec (the key
     ``kvf:model:<model>:config``). Not the engine's ``kvfleet_engine.config.ModelConfig`` (a checkpoint's
     architecture).
@@ -143,6 +143,9 @@ class ModelPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     every tenant whose own ``models`` globs match call it. ``scale_from_zero``: the model is autoscaled and
     may have no replica at all; a gateway then holds its requests (counted in its load hash, which the
     operator's autoscaler reads) until a replica is awake, instead of answering 503 ``no_replica``.
+
+    Encoded without default values (``omit_defaults``): a policy that uses no newer field decodes on a gateway
+    from before that field (which forbids unknown fields), so a rolling upgrade may update the operator first.
     """
 
     model: str

@@ -192,6 +192,26 @@ def test_tenant_and_model_policy_json():
         decode_model_policy(b'{"model": "m", "routing_policy": "random"}')
 
 
+class _PolicyBeforeAutoscaling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """ModelPolicy as a gateway from before ``scale_from_zero`` knows it."""
+
+    model: str
+    routing_policy: str = "prefix-aware"
+    sleep_idle_seconds: int | None = None
+    sleep_level: int = 1
+    allowed_tenants: list[str] | None = None
+
+
+def test_an_older_gateway_reads_the_policy_of_a_model_that_is_not_autoscaled():
+    """Rolling upgrades: the operator may be updated first; only autoscaled models need the new gateways."""
+    fixed = ModelPolicy(model="m", sleep_idle_seconds=60, sleep_level=2)
+    old = msgspec.json.decode(msgspec.json.encode(fixed), type=_PolicyBeforeAutoscaling)
+    assert (old.model, old.sleep_idle_seconds, old.sleep_level) == ("m", 60, 2)
+    with pytest.raises(msgspec.ValidationError):  # an autoscaled one names a field the old gateway lacks
+        msgspec.json.decode(msgspec.json.encode(ModelPolicy(model="m", scale_from_zero=True)),
+                            type=_PolicyBeforeAutoscaling)  # fmt: skip
+
+
 def test_tokenizer_revision_names_the_contents():
     files = {"tokenizer.json": b"{...}", "tokenizer_config.json": b"{}"}
     rev = tokenizer_revision(files)
