@@ -32,7 +32,10 @@ def operator_args(server: str, redis_url: str, **options: Any) -> RunArgs:
             engine_network_policy=True,
         ),
         options=RuntimeOptions(
-            server=server, idle_check_seconds=options.pop("idle_check_seconds", 2.0), resync_seconds=1.0
+            server=server,
+            idle_check_seconds=options.pop("idle_check_seconds", 2.0),
+            resync_seconds=1.0,
+            autoscale_seconds=options.pop("autoscale_seconds", 0.2),  # only models with spec.autoscaling
         ),
         peering=options.pop("peering", PEERING),
         **options,

@@ -8,7 +8,6 @@ The full loop with real engines, gateway and pod runner is e2e/test_autoscaling.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -49,9 +48,7 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def autoscaling_operator(kube: KubeEmulator, redis_url: str, metrics_port: int) -> Iterator[OperatorThread]:
-    args = operator_args(kube.url, redis_url, metrics_port=metrics_port)
-    args = dataclasses.replace(args, options=dataclasses.replace(args.options, autoscale_seconds=0.2))
-    op = OperatorThread(args).start()
+    op = OperatorThread(operator_args(kube.url, redis_url, metrics_port=metrics_port)).start()
     try:
         yield op
     finally:
@@ -73,12 +70,12 @@ def autoscaling(kube: KubeEmulator) -> dict:
     return ((kube.get(f"{MODELS}/{MODEL}") or {}).get("status") or {}).get("autoscaling") or {}
 
 
-def ready(kube: KubeEmulator, n: int) -> None:
+def ready(kube: KubeEmulator, n: int, deployment: str = DEPLOYMENT) -> None:
     """Play the Deployment controller: ``n`` replicas ready."""
-    dep = kube.get(DEPLOYMENT)
+    dep = kube.get(deployment)
     assert dep is not None
     want = dep["spec"]["replicas"]
-    kube.patch(DEPLOYMENT + "/status", {"status": {
+    kube.patch(deployment + "/status", {"status": {
         "observedGeneration": dep["metadata"]["generation"], "replicas": want, "updatedReplicas": want,
         "readyReplicas": n, "availableReplicas": n}})  # fmt: skip
 
@@ -179,6 +176,7 @@ def test_a_blind_tick_changes_nothing(kube: KubeEmulator, store: FleetStore, mod
     kube.post(MODELS, body)
     path = f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
     eventually(lambda: (kube.get(path) or {}).get("spec", {}).get("replicas") == 1, timeout=30)
+    ready(kube, 1, path)
     store.report_gateway("gw-blind", {}, {}, [], None, model_load={name: (6, 0)})
     eventually(lambda: kube.get(path)["spec"]["replicas"] == 3, timeout=15)
     module_redis.stop()

@@ -1,5 +1,5 @@
-"""kopf peering: two operator replicas on one cluster never both act; the standby takes over when the active
-one leaves. Each replica writes to its own Redis here, so which one acted is visible."""
+"""kopf peering: two operator replicas on one cluster never both act (nor both autoscale); the standby takes over
+when the active one leaves. Each replica writes to its own Redis here, so which one acted is visible."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ from kvfleet_operator.runner import OperatorThread
 from tests.operator.op_harness import PEERING, add_peering, operator_args
 
 PEERING_PATH = f"/apis/kopf.dev/v1/clusterkopfpeerings/{PEERING}"
+MODELS = "/apis/kvfleet.io/v1alpha1/namespaces/default/inferencemodels"
+DEPLOYMENT = "/apis/apps/v1/namespaces/default/deployments/scaled"
+AUTOSCALED = {
+    "apiVersion": "kvfleet.io/v1alpha1",
+    "kind": "InferenceModel",
+    "metadata": {"name": "scaled", "namespace": "default"},
+    "spec": {"model": {"uri": "pvc://models/scaled"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+}
 
 
 @pytest.fixture
@@ -71,15 +79,24 @@ def test_only_the_highest_priority_replica_acts_and_the_standby_takes_over(two_r
 
         first = add_tenant(kube, "first", "sk-first")
         eventually(lambda: reg_a.tenant_for_key_hash(first))
+        # An autoscaled model at zero, with a request held in the standby's Redis only: were the standby's
+        # autoscaler running, it would start a replica within a tick (0.2 s).
+        kube.post(MODELS, AUTOSCALED)
+        eventually(lambda: (kube.get(DEPLOYMENT) or {}).get("spec", {}).get("replicas") == 0)
+        reg_b.report_gateway("gw", {}, {}, [], None, model_load={"scaled": (0, 1)})
         time.sleep(1.0)  # an active replica would have written within ~0.1 s
-        # The standby saw a higher-priority peer and paused: it wrote nothing.
+        # The standby saw a higher-priority peer and paused: it wrote nothing, and scaled nothing.
         assert reg_b.tenant_for_key_hash(first) is None and reg_b.list_tenants() == []
+        assert kube.get(DEPLOYMENT)["spec"]["replicas"] == 0
 
         a.stop()  # leaves the peering object on exit
         a = None
         eventually(lambda: "replica-a" not in (kube.get(PEERING_PATH) or {}).get("status", {}))
         second = add_tenant(kube, "second", "sk-second")
         eventually(lambda: reg_b.tenant_for_key_hash(second), timeout=20)
+        # the new leader's autoscaler sees the held request and cold-starts a replica
+        reg_b.report_gateway("gw", {}, {}, [], None, model_load={"scaled": (0, 1)})
+        eventually(lambda: kube.get(DEPLOYMENT)["spec"]["replicas"] == 1, timeout=20)
     finally:
         for op in (a, b):
             if op is not None:
