@@ -1,10 +1,11 @@
 """The gateway overhead benchmark's load (``bench/gateway_overhead.py``): the streamed requests, the two loads
 (``paced``: open-loop Poisson arrivals; ``closed``: clients back to back), the alternating direct / gateway
-rounds with the counters taken around each (gateway metrics, Redis's own counters, CPU seconds).
+(/ peer router) rounds with the counters taken around each (gateway metrics, Redis's own counters, CPU
+seconds).
 
-Invariant: both rounds of a pair send the same prompts (at the same arrival times under ``paced``), and
-every request carries an ``X-Request-Id`` (``bench_request_id``) that the gateway forwards and both servers
-log, so a sample can be matched with the servers' own timings of it.
+Invariant: every round of a set sends the same prompts (at the same arrival times under ``paced``), and
+every request carries an ``X-Request-Id`` (``bench_request_id``) that the gateway and the peer router
+forward and the servers log, so a sample can be matched with the servers' own timings of it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from bench import _fleet_metrics as fleet_metrics
 from bench import _serve_common as sc
 
 MODEL = "sim"
+PEER_SIDE = "vllm-router"  # the side through vLLM's router (``--peer vllm-router``)
 REFERENCE_ROUND = -2  # the sequential reference's requests (warm-up: -1, measured rounds: 0, 1, ...)
 
 
 @dataclass(slots=True)
 class Sample:
-    side: str  # "direct" | "gateway"
+    side: str  # "direct" | "gateway" | PEER_SIDE
     round: int
     client: int
     index: int
@@ -159,7 +161,8 @@ async def run_round(
 
 @dataclass(slots=True)
 class Snapshot:
-    """Counters around a round: gateway metrics, Redis's own counters, CPU seconds of each process."""
+    """Counters around a round: gateway metrics, Redis's own counters, CPU seconds of each process (the peer
+    router's too when there is one)."""
 
     request_trips: float
     background_trips: float
@@ -168,9 +171,10 @@ class Snapshot:
     cpu_gateway: float
     cpu_engine: float
     cpu_client: float
+    cpu_peer: float | None = None  # None: no peer router in this run
 
     @classmethod
-    def take(cls, fl: fleet_mod.Fleet) -> Snapshot:
+    def take(cls, fl: fleet_mod.Fleet, peer_pid: int | None = None) -> Snapshot:
         assert fl.redis is not None and fl.gateway is not None
         s = fleet_metrics.scrape(fl.gateway_url)
         trips = fleet_metrics.metric_by(s, "kvfleet_gateway_redis_round_trips_total", "op")
@@ -180,6 +184,7 @@ class Snapshot:
             trips_by_op=trips, redis=fl.redis.command_stats(),
             cpu_gateway=fleet_metrics.cpu_seconds([fl.gateway.pid]), cpu_engine=fleet_metrics.cpu_seconds([fl.engines[0].pid]),
             cpu_client=time.process_time(),
+            cpu_peer=fleet_metrics.cpu_seconds([peer_pid]) if peer_pid is not None else None,
         )  # fmt: skip
 
 
@@ -196,6 +201,9 @@ def delta(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         "cpu_gateway": b.cpu_gateway - a.cpu_gateway,
         "cpu_engine": b.cpu_engine - a.cpu_engine,
         "cpu_client": b.cpu_client - a.cpu_client,
+        **(
+            {"cpu_peer": b.cpu_peer - a.cpu_peer} if a.cpu_peer is not None and b.cpu_peer is not None else {}
+        ),
     }
 
 
@@ -236,50 +244,76 @@ def collections_between_rounds():
         gc.collect()
 
 
+def side_order(sides: Sequence[str], k: int) -> list[str]:
+    """The order of the sides in round set (or sequential request) ``k``: direct first, then the routed
+    sides, rotated from one set to the next so that neither router always runs right after the direct
+    round (a slow drift of the shared machine, or what one round leaves behind, hits each alike)."""
+    first, routed = list(sides[:1]), list(sides[1:])
+    if not routed:
+        return first
+    shift = k % len(routed)
+    return first + routed[shift:] + routed[:shift]
+
+
 async def measure(
-    fl: fleet_mod.Fleet, args: argparse.Namespace, tokenizer: Any, words: list[str]
+    fl: fleet_mod.Fleet,
+    args: argparse.Namespace,
+    tokenizer: Any,
+    words: list[str],
+    peer_url: str | None = None,
+    peer_pid: int | None = None,
 ) -> dict[str, Any]:
     """Warm-up, the sequential reference (closed load), then alternating rounds with counters taken around
-    each."""
+    each. ``peer_url``: a peer router in front of the same replica, the third side (``PEER_SIDE``)."""
     assert fl.api_key is not None
     paced = args.load == "paced"
-    direct = open_client(args, fl.engine_urls[0], None)
+    clients = {"direct": open_client(args, fl.engine_urls[0], None)}
     # --a-a: the "gateway" side goes straight to the replica too (what the measures read when nothing differs)
-    gateway = (
+    clients["gateway"] = (
         open_client(args, fl.engine_urls[0], None)
         if args.a_a
         else open_client(args, fl.gateway_url, fl.api_key)
     )
-    clients = {"direct": direct, "gateway": gateway}
-    async with direct, gateway:
+    if peer_url is not None:
+        clients[PEER_SIDE] = open_client(args, peer_url, None)  # the router has no tenants or keys
+    sides = list(clients)
+
+    def snapshot() -> Snapshot:
+        return Snapshot.take(fl, peer_pid)
+
+    async with contextlib.AsyncExitStack() as stack:
+        for c in clients.values():
+            await stack.enter_async_context(c)
         warm = make_prompts(args, tokenizer, words, args.warmup_requests, 1)
         for side, c in clients.items():
             samples, _, _ = await run_round(c, side, -1, warm, args, args.seed)
             if not any(s.ok for s in samples):
                 raise RuntimeError(f"every warm-up request to the {side} side failed: {samples[0].error}")
 
-        # Sequential reference: one request at a time, alternating sides, same prompt on both.
+        # Sequential reference: one request at a time, alternating sides, same prompt on each.
         ref: list[Sample] = []
-        before = Snapshot.take(fl)
+        before = snapshot()
         for j, text in enumerate(make_prompts(args, tokenizer, words, args.reference_requests, 2)):
-            for side, c in clients.items():
-                ref.append(await send(c, side, REFERENCE_ROUND, 0, j, text, args.output_len))
-        ref_counters = delta(before, Snapshot.take(fl))
+            for side in side_order(sides, j):
+                ref.append(await send(clients[side], side, REFERENCE_ROUND, 0, j, text, args.output_len))
+        ref_counters = delta(before, snapshot())
 
         rounds: list[dict[str, Any]] = []
         samples: list[Sample] = []
-        counters: dict[str, dict[str, Any]] = {"direct": {}, "gateway": {}}
+        counters: dict[str, dict[str, Any]] = {side: {} for side in sides}
         per_round = args.requests_per_round if paced else args.concurrency * args.requests_per_client
         for k in range(args.rounds):
             texts = make_prompts(args, tokenizer, words, per_round, 10 + k)
-            for side, c in clients.items():
+            for side in side_order(sides, k):
                 what = (f"{per_round} requests at {paced_rate(args):.1f}/s" if paced
                         else f"{args.concurrency} streams x {args.requests_per_client}")  # fmt: skip
                 common.log(f"round {k + 1}/{args.rounds}: {side}, {what}")
-                before = Snapshot.take(fl)
+                before = snapshot()
                 with collections_between_rounds():
-                    got, wall, streams = await run_round(c, side, k, texts, args, args.seed * 1000 + k)
-                d = delta(before, Snapshot.take(fl))
+                    got, wall, streams = await run_round(
+                        clients[side], side, k, texts, args, args.seed * 1000 + k
+                    )
+                d = delta(before, snapshot())
                 counters[side] = _add(counters[side], d)
                 samples.extend(got)
                 rounds.append({

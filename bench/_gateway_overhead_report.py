@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import _common as common
+from bench._gateway_overhead_peer import notes as peer_notes
 from bench._gateway_overhead_stats import MEASURES
 
 TARGET_P50_MS = 2.0
@@ -49,14 +50,20 @@ def render(result: dict[str, Any]) -> None:
     if result["reference"]["direct"]["requests"]:
         sections.append(("sequential reference", result["reference"]))
     for label, stats in sections:
-        for side in ("direct", "gateway"):
+        added = stats.get("added_ms_by_side") or {"gateway": stats["added_ms"]}
+        for side in ("direct", *added):
             s = stats[side]
             rows.append([label, side, f"{s['ok']}/{s['requests']}",
                          *(_f(s[m][q]) for m in MEASURES for q in ("p50", "p99"))])  # fmt: skip
-        a = stats["added_ms"]
-        rows.append(
-            [label, "added (gateway - direct)", "", *(_f(a[m][q]) for m in MEASURES for q in ("p50", "p99"))]
-        )
+        for side, a in added.items():
+            rows.append(
+                [
+                    label,
+                    f"added ({side} - direct)",
+                    "",
+                    *(_f(a[m][q]) for m in MEASURES for q in ("p50", "p99")),
+                ]
+            )
     notes = []
     pr, direct = result["per_gateway_request"], result["per_direct_request"]
     if pr:
@@ -107,6 +114,8 @@ def render(result: dict[str, Any]) -> None:
     else:
         notes.append("CPU layout shared: clients, replica, gateway and Redis on the same CPUs")
     notes.append(f"load generator's client: {result['config'].get('client', 'httpx')}")
+    if "peer" in result:
+        notes.extend(peer_notes(result))
     notes.extend(result["notes"])
     common.print_table(
         f"Gateway overhead: {result['command']}",

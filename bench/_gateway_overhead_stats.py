@@ -40,35 +40,49 @@ MEASURES: dict[str, Callable[[Sample], float | None]] = {
 }
 
 
-def side_stats(samples: Sequence[Sample]) -> dict[str, Any]:
+def side_stats(samples: Sequence[Sample], sides: Sequence[str] = ("direct", "gateway")) -> dict[str, Any]:
     """Per side: the distribution of every measure in ``MEASURES``; added = gateway - direct for each
-    percentile; paired differences (same round, client and index) summarised by their median and p99."""
+    percentile; paired differences (same round, client and index) summarised by their median and p99.
+    With more routed sides than the gateway (a peer router), ``added_ms_by_side`` and ``paired_ms_by_side``
+    hold the same for every side but direct (the gateway's included)."""
     out: dict[str, Any] = {}
-    for side in ("direct", "gateway"):
+    for side in sides:
         mine = [s for s in samples if s.side == side]
         ok = [s for s in mine if s.ok]
         errors = Counter((s.error or "?")[:120] for s in mine if not s.ok)
         out[side] = {"requests": len(mine), "ok": len(ok), "errors": dict(errors),
                      "with_engine_timing": sum(s.engine_ttft is not None for s in ok),
                      **{m: dist([v for s in ok if (v := f(s)) is not None]) for m, f in MEASURES.items()}}  # fmt: skip
+    key = {(s.round, s.client, s.index): s for s in samples if s.side == "direct" and s.ok}
+    by_side = {side: _added(out, samples, key, side) for side in sides if side != "direct"}
+    out["added_ms"], out["paired_ms"] = by_side["gateway"]
+    if len(by_side) > 1:
+        out["added_ms_by_side"] = {side: a for side, (a, _) in by_side.items()}
+        out["paired_ms_by_side"] = {side: p for side, (_, p) in by_side.items()}
+    return out
+
+
+def _added(
+    out: dict[str, Any], samples: Sequence[Sample], direct: dict[tuple[int, int, int], Sample], side: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``side``'s percentiles minus direct's (pooled), and its paired differences with the direct request
+    of the same round, client and index (median and p99)."""
     added: dict[str, Any] = {}
     for metric in MEASURES:
-        d, g = out["direct"][metric], out["gateway"][metric]
+        d, g = out["direct"][metric], out[side][metric]
         added[metric] = {q: (None if d[q] is None or g[q] is None else round(g[q] - d[q], 3))
                          for q in ("mean", "p50", "p90", "p99")}  # fmt: skip
-    key = {(s.round, s.client, s.index): s for s in samples if s.side == "direct" and s.ok}
     pairs: dict[str, list[float]] = {m: [] for m in MEASURES}
     for s in samples:
-        d = key.get((s.round, s.client, s.index))
-        if s.side == "gateway" and s.ok and d is not None:
+        d = direct.get((s.round, s.client, s.index))
+        if s.side == side and s.ok and d is not None:
             for m, f in MEASURES.items():
                 a, b = f(s), f(d)
                 if a is not None and b is not None:
                     pairs[m].append(a - b)
-    out["added_ms"] = added
-    out["paired_ms"] = {m: {"n": len(v), "p50": _ms(sc.percentile(v, 50)), "p99": _ms(sc.percentile(v, 99))}
-                        for m, v in pairs.items()}  # fmt: skip
-    return out
+    paired = {m: {"n": len(v), "p50": _ms(sc.percentile(v, 50)), "p99": _ms(sc.percentile(v, 99))}
+              for m, v in pairs.items()}  # fmt: skip
+    return added, paired
 
 
 def per_request(counters: dict[str, Any], n: int) -> dict[str, Any]:
@@ -87,7 +101,8 @@ def per_request(counters: dict[str, Any], n: int) -> dict[str, Any]:
         },
         "cpu_ms": {
             k.removeprefix("cpu_"): 1e3 * counters.get(k, 0) / n
-            for k in ("cpu_gateway", "cpu_engine", "cpu_client")
+            for k in ("cpu_gateway", "cpu_engine", "cpu_client", "cpu_peer")
+            if k != "cpu_peer" or k in counters  # only with a peer router in the run
         },
     }
 
@@ -116,13 +131,13 @@ def add_round_percentiles(rounds: list[dict[str, Any]], samples: Sequence[Sample
             r[m] = {f"p{q}": _ms(sc.percentile(values, q)) for q in (50, 99)}
 
 
-def pair_differences(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Gateway minus direct p50 and p99 of every measure within each round pair (the two rounds run back to
-    back): ``{"round": k, "ttft_ms": {"p50": .., "p99": ..}, ...}``; None where a side has no figure."""
+def pair_differences(rounds: list[dict[str, Any]], side: str = "gateway") -> list[dict[str, Any]]:
+    """``side`` minus direct p50 and p99 of every measure within each round pair (the rounds of a set run
+    back to back): ``{"round": k, "ttft_ms": {"p50": .., "p99": ..}, ...}``; None where a side has no figure."""
     by = {(r["round"], r["side"]): r for r in rounds}
     out = []
     for k in sorted({r["round"] for r in rounds}):
-        d, g = by.get((k, "direct")), by.get((k, "gateway"))
+        d, g = by.get((k, "direct")), by.get((k, side))
         if d and g:
             out.append({"round": k, **{m: {q: None if d[m][q] is None or g[m][q] is None
                                                else round(g[m][q] - d[m][q], 3) for q in ("p50", "p99")}

@@ -38,12 +38,14 @@ class Record:
 
 
 async def run_sessions(
-    base_url: str, api_key: str, workload: Workload, timeout_s: float
+    base_url: str, api_key: str | None, workload: Workload, timeout_s: float
 ) -> tuple[list[Record], float]:
-    """Play every session (open loop over sessions; a chat's turns wait for their answers). Returns the
-    records and the makespan (first send -> last completion)."""
+    """Play every session (open loop over sessions; a chat's turns wait for their answers) through the
+    kvfleet gateway, or through a peer router (``api_key`` None: no tenant, and no kvfleet debug header).
+    Returns the records and the makespan (first send -> last completion)."""
     records: list[Record] = []
-    headers = {"x-kvfleet-debug": fleet_mod.ADMIN_TOKEN}  # the routing decision, for operators only
+    # the routing decision, for operators only (the gateway's)
+    headers = {"x-kvfleet-debug": fleet_mod.ADMIN_TOKEN} if api_key is not None else {}
 
     async with fleet_client.make_client(base_url, api_key, timeout_s) as client:
         t0 = time.perf_counter()
@@ -77,8 +79,9 @@ async def run_sessions(
     return records, last_done - t0
 
 
-async def warm_up(base_url: str, api_key: str, n: int, output_len: int) -> int:
-    """``n`` short, unique requests through the gateway (it loads the tokenizer on its first request)."""
+async def warm_up(base_url: str, api_key: str | None, n: int, output_len: int) -> int:
+    """``n`` short, unique requests through the gateway (it loads the tokenizer on its first request) or the
+    peer router."""
     ok = 0
     async with fleet_client.make_client(base_url, api_key, 120.0) as client:
         for i in range(n):

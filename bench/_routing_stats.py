@@ -1,5 +1,6 @@
 """What a routing run's records add up to (``bench/routing.py``): latency, throughput, load share and cache
-figures per run, prefix-aware against the other policies, and the issue's targets.
+figures per run, prefix-aware against the other policies (vLLM's router among them), and the issues'
+targets.
 """
 
 from __future__ import annotations
@@ -14,21 +15,37 @@ TARGET_TTFT_RATIO = 3.0  # (a) round-robin mean TTFT / prefix-aware mean TTFT
 TARGET_THROUGHPUT_RATIO = 1.3  # (a) prefix-aware / round-robin completed requests per second
 TARGET_MAX_LOAD_SHARE = 1.5  # (c) max replica requests / mean
 TARGET_NO_SHARING_TOLERANCE = 0.05  # (d) prefix-aware vs least-load
+# issue 27, (a) under cache pressure: kvfleet prefix-aware against vllm-router cache_aware
+PEER = "vllm-router:cache_aware"
+PEER_POLICIES = ("vllm-router:cache_aware", "vllm-router:round_robin")
+TARGET_PEER_TTFT_RATIO = 0.5  # prefix-aware mean TTFT / the router's, at most
+TARGET_PEER_THROUGHPUT_RATIO = 1.2  # prefix-aware completed requests/s / the router's, at least
 
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(1e3 * x, 2)
 
 
-def summarize(records: Sequence[Record], makespan: float, replicas: int, output_len: int) -> dict[str, Any]:
-    """Latency, throughput, load share and cache figures of one run. Latencies in milliseconds."""
+def summarize(
+    records: Sequence[Record],
+    makespan: float,
+    replicas: int,
+    output_len: int,
+    served: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Latency, throughput, load share and cache figures of one run. Latencies in milliseconds. The load per
+    replica comes from each record's replica (the gateway names it), or from ``served`` (replica -> requests
+    it completed, its own counter) where the router in front names none."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     e2e = [r.e2e for r in ok if r.e2e is not None]
     per_replica: dict[str, int] = {f"sim-{i}": 0 for i in range(replicas)}
-    for r in ok:
-        if r.replica is not None:
-            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    if served is not None:
+        per_replica.update(served)
+    else:
+        for r in ok:
+            if r.replica is not None:
+                per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
     mean_load = len(ok) / replicas if replicas else 0.0
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -91,7 +108,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     and throughput (prefix-aware / other)."""
     pa = runs.get("prefix-aware")
     out: dict[str, Any] = {}
-    for other in ("round-robin", "least-load"):
+    for other in ("round-robin", "least-load", *PEER_POLICIES):
         o = runs.get(other)
         if pa is None or o is None:
             continue
@@ -126,4 +143,27 @@ def targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "throughput_pa_over_ll": d["throughput_ratio"],
             "met": d["ttft_mean_ratio"] >= 1.0 / (1.0 + tol) and d["throughput_ratio"] >= 1.0 - tol,
         }
+    return out | peer_targets(scenarios)
+
+
+def peer_targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 27: kvfleet prefix-aware against vllm-router cache_aware in (a) under cache pressure (the
+    target), in (a) without pressure and in (b) (reported: ``met`` None), and the router's max/mean replica
+    load in (c) beside kvfleet's (reported)."""
+    out: dict[str, Any] = {}
+    for scen, name, judged in (("shared-prefix", "peer_shared_prefix", True),
+                               ("shared-prefix-no-pressure", "peer_shared_prefix_no_pressure", False),
+                               ("multi-turn", "peer_multi_turn", False)):  # fmt: skip
+        c = scenarios.get(scen, {}).get("comparison", {}).get(f"vs_{PEER}")
+        if not c or c["ttft_mean_ratio"] is None or c["throughput_ratio"] is None:
+            continue
+        ttft = 1.0 / c["ttft_mean_ratio"] if c["ttft_mean_ratio"] else None
+        met = (ttft is not None and ttft <= TARGET_PEER_TTFT_RATIO
+               and c["throughput_ratio"] >= TARGET_PEER_THROUGHPUT_RATIO)  # fmt: skip
+        out[name] = {"ttft_mean_kvfleet_over_router": ttft, "throughput_kvfleet_over_router": c["throughput_ratio"],
+                     "met": met if judged else None}  # fmt: skip
+    hot = scenarios.get("hot-prefix", {}).get("policies", {})
+    shares = {p: _get(run, "summary", "load_share_max_over_mean") for p, run in hot.items()}
+    if any(shares.get(p) is not None for p in PEER_POLICIES):
+        out["peer_hot_prefix"] = {"load_share_max_over_mean": shares, "met": None}
     return out

@@ -18,7 +18,10 @@ from bench import _fleet as fleet_mod
 from bench import _serve_common as sc
 from kvfleet_common.hashing import hash_blocks
 
-SCENARIOS = ("shared-prefix", "multi-turn", "hot-prefix", "no-sharing")
+SCENARIOS = ("shared-prefix", "multi-turn", "hot-prefix", "no-sharing", "shared-prefix-no-pressure")
+# (a) again, the same requests and arrival times, on replicas whose KV cache holds every group's system
+# prompt with room to spare (``kv_blocks``): what is left of the routers' difference without evictions
+NO_PRESSURE = "shared-prefix-no-pressure"
 BLOCK_SIZE = 16  # the engine's default; the gateway reads it from the heartbeats
 
 
@@ -84,14 +87,14 @@ def reuse_profile(prompts: Sequence[list[int]], block_size: int = BLOCK_SIZE) ->
 
 def build_workload(scenario: str, args: argparse.Namespace, tokenizer: Any, words: list[str]) -> Workload:
     """Sessions (without start times) and the token profile the arrival rate is calibrated from."""
-    seed = args.seed * 1000 + SCENARIOS.index(scenario)
+    seed = args.seed * 1000 + SCENARIOS.index("shared-prefix" if scenario == NO_PRESSURE else scenario)
     rng = random.Random(seed)
 
     def texts(count: int, length: int, salt: int) -> list[str]:
         return sc.make_prompts(tokenizer, count, length, seed=seed * 10 + salt, words=words)
 
     sessions: list[Session] = []
-    if scenario == "shared-prefix":
+    if scenario in ("shared-prefix", NO_PRESSURE):
         systems = texts(args.groups, args.system_len, 1)
         users = [(g, u) for g in range(args.groups) for u in range(args.users_per_group)]
         rng.shuffle(users)
@@ -126,6 +129,15 @@ def build_workload(scenario: str, args: argparse.Namespace, tokenizer: Any, word
             )
     profile = reuse_profile(prompts)
     return Workload(scenario, sessions, args.output_len, profile)
+
+
+def kv_blocks(scenario: str, args: argparse.Namespace) -> int:
+    """KV blocks per replica for ``scenario``: ``--num-kv-blocks``, except under ``NO_PRESSURE``: twice what
+    every group's whole request (system prompt, question, answer) takes, so that nothing is evicted."""
+    if scenario != NO_PRESSURE:
+        return args.num_kv_blocks
+    per_group = -(-(args.system_len + args.question_len + args.output_len) // BLOCK_SIZE)
+    return max(args.num_kv_blocks, 2 * args.groups * per_group)
 
 
 def calibrate(workload: Workload, args: argparse.Namespace, cost: fleet_mod.SimCost) -> dict[str, Any]:

@@ -56,13 +56,26 @@ replica's time, and the added latency grows with the concurrency (see docs/BENCH
 ``--profile`` then samples the gateway with py-spy (when installed) during extra gateway rounds and reports
 where its CPU time goes (self and inclusive time per function, and per library).
 
+``--peer vllm-router`` (issue 27) adds a third side: vLLM's Rust router (PyPI ``vllm-router``,
+``bench/_vllm_router.py``) in front of the same replica, in the same round sets (same prompts, same arrival
+times; the order of the two routed sides rotates from one set to the next), with its ``round_robin`` policy
+by default: the router's cheapest path, a pure proxy (``--peer-policy cache_aware`` first fetches each
+request's token ids from the replica). kvfleet then runs with every feature on: API-key auth, a tenant
+with quotas (requests and tokens per minute, concurrency: metered on every request, never reached;
+``--no-quotas`` for the limitless tenant) and prefix-aware routing. Reported next to
+kvfleet's: the router's added TTFT p50 with sequential streams (``closed`` load's reference) and its
+requests/s at ``--concurrency`` streams (``closed``), with the ratios the issue's targets name (see
+``_gateway_overhead_peer``) and each router's CPU per request.
+
 Targets (issue): added latency p50 <= 2 ms and p99 <= 10 ms at 100 concurrent streams (the ``paced`` load);
-at most 2 Redis round trips per request.
+at most 2 Redis round trips per request. Against the peer (issue 27): added TTFT p50 (sequential) <= 1.0x
+vllm-router's; requests/s at 64 streams >= 1.0x vllm-router's.
 
     .venv/bin/python -m bench.gateway_overhead                 # paced: 100 streams in flight, 3 round pairs
     .venv/bin/python -m bench.gateway_overhead --load closed   # saturated: 100 clients x 5 requests x 3 pairs
     .venv/bin/python -m bench.gateway_overhead --profile
     .venv/bin/python -m bench.gateway_overhead --quick         # smoke test
+    .venv/bin/python -m bench.gateway_overhead --load closed --concurrency 64 --peer vllm-router
 """
 
 from __future__ import annotations
@@ -79,13 +92,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import _common as common
 from bench import _compact_json as compact_json
 from bench import _fleet as fleet_mod
 from bench import _serve_common as sc
 from bench import _servers as servers
-from bench._gateway_overhead_load import MODEL, measure, paced_rate
+from bench import _vllm_router as vllm_router
+from bench._gateway_overhead_load import MODEL, PEER_SIDE, measure, paced_rate
 from bench._gateway_overhead_logs import attach_engine_timings, attach_gateway_timings
+from bench._gateway_overhead_peer import compare as peer_compare
+from bench._gateway_overhead_peer import targets as peer_targets
 from bench._gateway_overhead_profile import profile_gateway
 from bench._gateway_overhead_report import TARGET_REDIS_ROUND_TRIPS, added_latency_verdict, render
 from bench._gateway_overhead_stats import (
@@ -101,6 +119,14 @@ NAME = "gateway_overhead"
 ZERO_COST = fleet_mod.SimCost(0.0, 0.0, 0.0, 0.0)
 # the paced replica's decode step, ~100 sequences in the batch (a large model): 2,000 tokens/s to relay
 PACED_STEP_MS = 50.0
+# --quotas: limits the bench never reaches, so that every request is metered against them (admission checks
+# the requests and tokens per minute and takes a shared concurrency slot) without a single 429
+QUOTA_TENANT = "bench-quotas"
+QUOTA_LIMITS = {
+    "requests_per_minute": 10_000_000,
+    "tokens_per_minute": 1_000_000_000,
+    "max_concurrent": 100_000,
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -143,6 +169,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the load generator's HTTP client: lean (default; _fleet_client.SseClient, events parsed in the\n"
                         "connection callback) or httpx (~4x its CPU per stream, which the shared layout takes\n"
                         "from the replica and the gateway)")  # fmt: skip
+    p.add_argument("--peer", choices=("none", "vllm-router"), default="none",
+                   help="vllm-router: a third side through vLLM's Rust router in front of the same replica\n"
+                        "(pip install vllm-router; see docs/BENCHMARKS.md)")  # fmt: skip
+    p.add_argument("--peer-policy", choices=vllm_router.POLICIES, default="round_robin",
+                   help="the peer router's --policy (default round_robin: with one replica there is nothing to\n"
+                        "route, and it forwards each request alone; cache_aware first asks the replica for the\n"
+                        "request's token ids, two more HTTP requests here: see bench/_vllm_router.py)")  # fmt: skip
+    p.add_argument("--quotas", action=argparse.BooleanOptionalAction, default=None,
+                   help="the tenant has quotas it never reaches, metered on every request (default: on with\n"
+                        "--peer, off otherwise: the limitless tenant of the earlier runs)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="sample the gateway with py-spy in extra rounds")
     p.add_argument("--profile-rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -166,6 +202,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.step_ms > 0:
         p.error("--step-ms must be > 0")
     args.gateway_env = fleet_mod.parse_env(p, args.gateway_env, "--gateway-env")
+    if args.quotas is None:
+        args.quotas = args.peer != "none"
+    if args.peer != "none" and vllm_router.version() is None:
+        p.error(f"--peer {args.peer}: {vllm_router.DIST} is not installed (pip install {vllm_router.DIST})")
     return args
 
 
@@ -175,9 +215,10 @@ def command_line(argv: list[str] | None) -> str:
     )
 
 
-def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str) -> dict[str, Any]:
+def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str, peer_pid: int | None = None) -> dict[str, Any]:
     """Pin every thread of each process and its children (threads started later inherit their creator's
-    CPUs). The bench process itself (the clients) is pinned last: its children were placed already."""
+    CPUs). The bench process itself (the clients) is pinned last: its children were placed already. A peer
+    router goes where the gateway goes (like for like)."""
     cpus = sorted(os.sched_getaffinity(0))
     if layout == "shared":
         return {"layout": "shared", "cpus": cpus}
@@ -185,11 +226,15 @@ def apply_cpu_layout(fl: fleet_mod.Fleet, layout: str) -> dict[str, Any]:
         raise SystemExit("--cpu-layout isolated needs at least 2 CPUs")
     load, gateway = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
     assert fl.gateway is not None and fl.redis is not None and fl.redis.proc is not None
-    for pid, where in ((fl.gateway.pid, gateway), (fl.redis.proc.pid, gateway), (fl.engines[0].pid, load)):
+    placed = [(fl.gateway.pid, gateway), (fl.redis.proc.pid, gateway), (fl.engines[0].pid, load)]
+    if peer_pid is not None:
+        placed.append((peer_pid, gateway))
+    for pid, where in placed:
         for p in servers.process_tree(pid):
             pin_threads(p, where)
     pin_threads(os.getpid(), load)  # not our children: they were placed above
-    return {"layout": "isolated", "gateway_and_redis": gateway, "clients_and_replica": load}
+    return {"layout": "isolated", "gateway_and_redis": gateway, "clients_and_replica": load,
+            **({"peer_router": gateway} if peer_pid is not None else {})}  # fmt: skip
 
 
 def pin_threads(pid: int, cpus: Sequence[int] | set[int]) -> None:
@@ -200,7 +245,8 @@ def pin_threads(pid: int, cpus: Sequence[int] | set[int]) -> None:
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     common_part = {"load": args.load, "rounds": args.rounds, "output_len": args.output_len,
-                   "prompt_words": args.prompt_words, "endpoint": "chat"}  # fmt: skip
+                   "prompt_words": args.prompt_words, "endpoint": "chat",
+                   "tenant_limits": QUOTA_LIMITS if args.quotas else None}  # fmt: skip
     if args.load == "paced":
         return {**common_part, "concurrency": args.concurrency, "requests_per_round": args.requests_per_round,
                 "arrival_rate_per_s": round(paced_rate(args), 3), "arrivals": "poisson (open loop)",
@@ -209,6 +255,15 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
     return {**common_part, "concurrency": args.concurrency, "requests_per_client": args.requests_per_client,
             "arrivals": "closed loop, no think time",
             "replica": "kvfleet engine serve --simulate, every --sim-* cost 0"}  # fmt: skip
+
+
+def create_quota_tenant(fl: fleet_mod.Fleet) -> str:
+    """A tenant with ``QUOTA_LIMITS``; returns its API key."""
+    r = httpx.post(f"{fl.gateway_url}/admin/tenants", json={"name": QUOTA_TENANT, **QUOTA_LIMITS},
+                   headers={"Authorization": f"Bearer {fleet_mod.ADMIN_TOKEN}"}, timeout=30)  # fmt: skip
+    if r.status_code != 201:
+        raise RuntimeError(f"creating tenant {QUOTA_TENANT!r} failed: HTTP {r.status_code} {r.text}")
+    return r.json()["api_key"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -230,37 +285,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # gateway's its request path (arrival -> upstream request sent).
     with fleet_mod.Fleet(model_dir, MODEL, log_dir, 1, cost, 4096, 1024, replica_args=["--log-level", "info"],
                          gateway_args=["--log-level", "info", *args.gateway_arg],
-                         gateway_env=args.gateway_env) as fl:  # fmt: skip
+                         gateway_env=args.gateway_env) as fl, contextlib.ExitStack() as stack:  # fmt: skip
         result["boot_s"] = fl.boot("prefix-aware")
-        own_cpus = os.sched_getaffinity(0)
-        result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout)
-        result["contention_before"] = common.contention()
-        try:
-            m = asyncio.run(measure(fl, args, tokenizer, words))
-        finally:
-            pin_threads(os.getpid(), own_cpus)  # main() may run inside another program (the tests)
-        result["contention_after"] = common.contention()
-        result["engine_timings_missing"] = attach_engine_timings(
-            m["samples"] + m["reference"], fl.engines[0].log_path
-        )
-        result["gateway_timings_missing"] = (
-            0 if args.a_a else attach_gateway_timings(m["samples"] + m["reference"], fl.gateway.log_path)
-        )
-        add_round_percentiles(m["rounds"], m["samples"])
-        result["rounds"] = m["rounds"]
-        result["stats"] = side_stats(m["samples"])
-        result["reference"] = side_stats(m["reference"])
-        n_gw = sum(1 for s in m["samples"] if s.side == "gateway")
-        n_direct = sum(1 for s in m["samples"] if s.side == "direct")
-        result["per_gateway_request"] = per_request(m["counters"]["gateway"], n_gw)
-        result["per_direct_request"] = per_request(m["counters"]["direct"], n_direct)
-        result["gateway_request_path_ms"] = request_path(m["samples"])
-        result["reference_request_path_ms"] = request_path(m["reference"])
-        result["reference_per_gateway_request"] = per_request(
-            m["reference_counters"], args.reference_requests
-        )
-        result["counters"] = m["counters"]
-        result["requests"] = request_table(m["samples"])
+        if args.quotas:
+            fl.api_key = create_quota_tenant(fl)
+        peer = None
+        if args.peer != "none":
+            peer = stack.enter_context(
+                vllm_router.VllmRouter(fl.engine_urls, args.peer_policy, log_dir / "vllm-router.log")
+            )
+            result["peer"] = {"name": args.peer, "version": vllm_router.version(), "policy": args.peer_policy,
+                              "ready_s": peer.ready_s, "command": shlex.join(peer.process.command.argv),
+                              "kvfleet_features": "API-key auth, "
+                              + ("a tenant with quotas, " if args.quotas else "a tenant without limits, ")
+                              + "prefix-aware routing"}  # fmt: skip
+        measure_fleet(fl, args, tokenizer, words, result, peer)
+        if peer is not None:
+            peer.check_alive()
+            result["peer"]["router_counters"] = peer.counters()
         if args.profile:
             try:
                 result["profile"] = profile_gateway(fl, args, tokenizer, words, log_dir)
@@ -287,10 +329,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "detail": f"{common.fmt(trips, 3)} per request on the request path (limit {TARGET_REDIS_ROUND_TRIPS:g})",
         },
     }  # fmt: skip
+    if "peer" in result:
+        result["peer"]["round_pair_added_ms"] = pair_differences(result["rounds"], PEER_SIDE)
+        result["peer"]["comparison"] = peer_compare(result)
+        result["peer"]["targets"] = {} if args.a_a else peer_targets(result)
     result["log_dir"] = str(log_dir)
     render(result)
     compact_json.write_json(args.out or common.default_out(NAME), result)
     return result
+
+
+def measure_fleet(
+    fl: fleet_mod.Fleet,
+    args: argparse.Namespace,
+    tokenizer: Any,
+    words: list[str],
+    result: dict[str, Any],
+    peer: vllm_router.VllmRouter | None,
+) -> None:
+    """The measured rounds (``measure``) on the booted fleet, and their statistics into ``result``."""
+    own_cpus = os.sched_getaffinity(0)
+    peer_url, peer_pid = (peer.url, peer.pid) if peer is not None else (None, None)
+    result["cpu_layout"] = apply_cpu_layout(fl, args.cpu_layout, peer_pid)
+    result["contention_before"] = common.contention()
+    try:
+        m = asyncio.run(measure(fl, args, tokenizer, words, peer_url, peer_pid))
+    finally:
+        pin_threads(os.getpid(), own_cpus)  # main() may run inside another program (the tests)
+    result["contention_after"] = common.contention()
+    result["engine_timings_missing"] = attach_engine_timings(
+        m["samples"] + m["reference"], fl.engines[0].log_path
+    )
+    assert fl.gateway is not None
+    result["gateway_timings_missing"] = (
+        0 if args.a_a else attach_gateway_timings(m["samples"] + m["reference"], fl.gateway.log_path)
+    )
+    sides = list(m["counters"])
+    add_round_percentiles(m["rounds"], m["samples"])
+    result["rounds"] = m["rounds"]
+    result["stats"] = side_stats(m["samples"], sides)
+    result["reference"] = side_stats(m["reference"], sides)
+    per_side = {side: per_request(m["counters"][side], sum(1 for s in m["samples"] if s.side == side))
+                for side in sides}  # fmt: skip
+    result["per_gateway_request"] = per_side["gateway"]
+    result["per_direct_request"] = per_side["direct"]
+    result["per_side_request"] = per_side
+    result["gateway_request_path_ms"] = request_path(m["samples"])
+    result["reference_request_path_ms"] = request_path(m["reference"])
+    result["reference_per_gateway_request"] = per_request(m["reference_counters"], args.reference_requests)
+    result["counters"] = m["counters"]
+    result["requests"] = request_table(m["samples"])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Routing benchmark: prefix-aware vs least-load vs round-robin on one fleet of simulated replicas.
+"""Routing benchmark: prefix-aware vs least-load vs round-robin (vs vLLM's router) on one fleet of simulated
+replicas.
 
 A real gateway (``kvfleet gateway``) in front of 4 real simulated replicas (``kvfleet engine serve --simulate``:
 API server, scheduler, KV cache with prefix caching, Redis presence; the forward pass replaced by a timing
@@ -18,6 +19,15 @@ gateway and engine compute them):
   after the previous answer ended. Chats start as a Poisson process.
 * ``hot-prefix`` (c): one 2,000-token system prompt shared by every request, 200-token questions.
 * ``no-sharing`` (d): every request has its own 2,000-token system prompt and question (nothing to reuse).
+* ``shared-prefix-no-pressure``: (a)'s requests and arrival times on replicas whose KV cache holds every
+  group's whole request twice over (nothing evicted): what is left of the routers' difference without
+  cache pressure.
+
+The peer (issue 27): ``vllm-router:cache_aware`` and ``vllm-router:round_robin`` run vLLM's Rust router
+(PyPI ``vllm-router``, ``bench/_vllm_router.py``) in front of the same cold replicas instead of the kvfleet
+gateway (which is stopped for the run); they are among the default policies when it is installed. The
+router names no replica in its responses, so its load per replica is each replica's own count of the
+requests it completed; it reports no cached-token prediction.
 
 Timing model (per replica, ``--sim-*`` flags): prefill 1.25 ms per uncached prompt token (800 tokens/s: a
 2,000-token prompt takes 2.5 s), 30 ms per decode step + 0.1 ms per decoding sequence, 1 ms per step; KV cache
@@ -57,17 +67,22 @@ the fleet and the client used (the machine is shared: the load average is record
 
 Targets (issue): (a) prefix-aware mean TTFT >= 3x lower than round-robin and throughput >= 1.3x; (c) no
 replica gets more than 1.5x the mean number of requests under prefix-aware; (d) prefix-aware within 5 % of
-least-load (mean TTFT at most 5 % higher, throughput at most 5 % lower).
+least-load (mean TTFT at most 5 % higher, throughput at most 5 % lower). Against the peer (issue 27): (a)
+prefix-aware mean TTFT <= 0.5x vllm-router cache_aware's and throughput >= 1.2x; the no-pressure case and
+(b), and the router's max/mean load in (c), are reported beside them.
 
     .venv/bin/python -m bench.routing                      # all scenarios and policies, ~20 min
     .venv/bin/python -m bench.routing --scenarios shared-prefix --policies prefix-aware,round-robin
     .venv/bin/python -m bench.routing --quick              # smoke test: 2 replicas, tiny workloads, ~1 min
+    .venv/bin/python -m bench.routing --scenarios shared-prefix,shared-prefix-no-pressure,multi-turn,hot-prefix \
+        --policies prefix-aware,round-robin,vllm-router:cache_aware,vllm-router:round_robin
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import sys
 import time
@@ -82,12 +97,20 @@ from bench import _compact_json as compact_json
 from bench import _fleet as fleet_mod
 from bench import _fleet_metrics as fleet_metrics
 from bench import _serve_common as sc
+from bench import _vllm_router as vllm_router
 from bench._routing_requests import MODEL, request_table, run_sessions, warm_up
-from bench._routing_stats import compare, summarize, targets
-from bench._routing_workloads import BLOCK_SIZE, SCENARIOS, Workload, build_workload, calibrate
+from bench._routing_stats import PEER_POLICIES, compare, summarize, targets
+from bench._routing_workloads import BLOCK_SIZE, SCENARIOS, Workload, build_workload, calibrate, kv_blocks
 
 NAME = "routing"
-POLICIES = ("prefix-aware", "least-load", "round-robin")
+KVFLEET_POLICIES = ("prefix-aware", "least-load", "round-robin")
+POLICIES = (*KVFLEET_POLICIES, *PEER_POLICIES)
+PEER_PREFIX = "vllm-router:"
+
+
+def default_policies() -> tuple[str, ...]:
+    """kvfleet's policies, and the peer router's when ``vllm-router`` is installed."""
+    return POLICIES if vllm_router.version() is not None else KVFLEET_POLICIES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,7 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="smoke test: 2 replicas, tiny workloads, replicas reset"
     )
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}")
+    p.add_argument("--policies", default=",".join(default_policies()),
+                   help=f"comma-separated subset of {POLICIES} (default: those installed)")  # fmt: skip
     p.add_argument("--replicas", type=int, default=None, help="simulated replicas (default 4; quick 2)")
     p.add_argument("--between-runs", choices=("restart", "reset"), default=None,
                    help="restart: new replica processes + flushed Redis before every run (default); "
@@ -143,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.scenarios = _subset(p, args.scenarios, SCENARIOS, "--scenarios")
     args.policies = _subset(p, args.policies, POLICIES, "--policies")
+    if any(x.startswith(PEER_PREFIX) for x in args.policies) and vllm_router.version() is None:
+        p.error(f"--policies: {vllm_router.DIST} is not installed (pip install {vllm_router.DIST})")
     quick = args.quick
     defaults = {
         "replicas": (2, 4), "between_runs": ("reset", "restart"), "prefill_ms_per_1k": (1000.0, 1250.0),
@@ -204,6 +230,7 @@ def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
             "cached_prompt_tokens": fleet_metrics.metric_sum(s, "kvfleet_engine_cached_prompt_tokens_total"),
             "preemptions": fleet_metrics.metric_sum(s, "kvfleet_engine_num_preemptions"),
             "prefill_tokens_per_s": fleet_metrics.metric_sum(s, "kvfleet_engine_prefill_tokens_per_second"),
+            "requests": fleet_metrics.metric_sum(s, "kvfleet_engine_requests_total", status="200"),
         })  # fmt: skip
     return out
 
@@ -211,42 +238,78 @@ def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
 def run_policy(
     fl: fleet_mod.Fleet, workload: Workload, policy: str, args: argparse.Namespace
 ) -> dict[str, Any]:
+    """One run of ``workload`` on a cold fleet, through the kvfleet gateway under ``policy``, or through the
+    peer router (``vllm-router:<its policy>``) with the gateway stopped."""
     info: dict[str, Any] = {"policy": policy}
+    router_policy = policy.removeprefix(PEER_PREFIX) if policy.startswith(PEER_PREFIX) else None
     try:
-        common.log(f"{workload.scenario} / {policy}: booting the fleet ({args.between_runs})")
-        info["boot_s"] = fl.boot(policy, args.between_runs)
-        assert fl.api_key is not None
-        info["warmup_ok"] = asyncio.run(
-            warm_up(fl.gateway_url, fl.api_key, args.replicas, workload.output_len)
-        )
-        gw0, eng0 = _gateway_counters(fleet_metrics.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
-        cpu0, client0 = fleet_metrics.cpu_seconds(fl.pids()), time.process_time()
-        contention0 = common.contention()
-        n = sum(len(s.messages) for s in workload.sessions)
-        common.log(f"{workload.scenario} / {policy}: {n} requests at {workload.info['rate_req_s']:.2f} req/s")
-        records, makespan = asyncio.run(
-            run_sessions(fl.gateway_url, fl.api_key, workload, args.request_timeout)
-        )
-        cpu = fleet_metrics.cpu_seconds(fl.pids()) - cpu0
-        client_cpu = time.process_time() - client0
-        contention1 = common.contention()
-        gw1, eng1 = _gateway_counters(fleet_metrics.scrape(fl.gateway_url)), _engine_counters(fl.engine_urls)
-        fl.check_alive()
-        info["summary"] = summarize(records, makespan, args.replicas, workload.output_len)
-        info["gateway"] = {k: gw1[k] - gw0[k] for k in gw1}
-        info["engines"] = [{k: e1[k] - e0[k] if k != "prefill_tokens_per_s" else e1[k] for k in e1}
-                           for e0, e1 in zip(eng0, eng1)]  # fmt: skip
-        info["cpu"] = {
-            "fleet_s": cpu,
-            "client_s": client_cpu,
-            "cores_used": (cpu + client_cpu) / max(makespan, 1e-9),
-        }
-        info["contention_before"], info["contention_after"] = contention0, contention1
-        info["requests"] = request_table(records)
+        fresh = args.between_runs
+        if fl.num_kv_blocks != workload.info["num_kv_blocks"]:  # another KV cache size: new replicas
+            fl.num_kv_blocks, fresh = workload.info["num_kv_blocks"], "restart"
+        common.log(f"{workload.scenario} / {policy}: booting the fleet ({fresh})")
+        info["boot_s"] = fl.boot(policy if router_policy is None else "round-robin", fresh)
+        with contextlib.ExitStack() as stack:
+            router = None
+            if router_policy is not None:
+                fl.stop_gateway()  # the router alone in front of the replicas
+                log = fl.log_dir / f"vllm-router-{workload.scenario}-{router_policy}-boot{fl.boots:02d}.log"
+                router = stack.enter_context(vllm_router.VllmRouter(fl.engine_urls, router_policy, log))
+                info["router"] = {"version": vllm_router.version(), "ready_s": router.ready_s}
+            _measure(fl, workload, args, router, info)
     except Exception as e:
         traceback.print_exc()
         info["error"] = f"{type(e).__name__}: {e}"
     return info
+
+
+def _measure(
+    fl: fleet_mod.Fleet,
+    workload: Workload,
+    args: argparse.Namespace,
+    router: vllm_router.VllmRouter | None,
+    info: dict[str, Any],
+) -> None:
+    """Warm-up, then the workload's sessions through the gateway or ``router``, with the counters around
+    them, into ``info``."""
+    url, key = (router.url, None) if router is not None else (fl.gateway_url, fl.api_key)
+    pids = [*fl.pids(), *([router.pid] if router is not None else [])]
+
+    def front_counters() -> dict[str, Any]:
+        return router.counters() if router is not None else _gateway_counters(fleet_metrics.scrape(url))
+
+    info["warmup_ok"] = asyncio.run(warm_up(url, key, args.replicas, workload.output_len))
+    front0, eng0 = front_counters(), _engine_counters(fl.engine_urls)
+    cpu0, client0 = fleet_metrics.cpu_seconds(pids), time.process_time()
+    contention0 = common.contention()
+    n = sum(len(s.messages) for s in workload.sessions)
+    common.log(
+        f"{workload.scenario} / {info['policy']}: {n} requests at {workload.info['rate_req_s']:.2f} req/s"
+    )
+    records, makespan = asyncio.run(run_sessions(url, key, workload, args.request_timeout))
+    cpu = fleet_metrics.cpu_seconds(pids) - cpu0
+    client_cpu = time.process_time() - client0
+    contention1 = common.contention()
+    front1, eng1 = front_counters(), _engine_counters(fl.engine_urls)
+    fl.check_alive()
+    if router is not None:
+        router.check_alive()
+        served = {
+            f"sim-{i}": round(e1["requests"] - e0["requests"]) for i, (e0, e1) in enumerate(zip(eng0, eng1))
+        }
+        info["summary"] = summarize(records, makespan, args.replicas, workload.output_len, served)
+        info["router"]["counters"] = vllm_router.counters_delta(front0, front1)
+    else:
+        info["summary"] = summarize(records, makespan, args.replicas, workload.output_len)
+        info["gateway"] = {k: front1[k] - front0[k] for k in front1}
+    info["engines"] = [{k: e1[k] - e0[k] if k != "prefill_tokens_per_s" else e1[k] for k in e1}
+                       for e0, e1 in zip(eng0, eng1)]  # fmt: skip
+    info["cpu"] = {
+        "fleet_s": cpu,
+        "client_s": client_cpu,
+        "cores_used": (cpu + client_cpu) / max(makespan, 1e-9),
+    }
+    info["contention_before"], info["contention_after"] = contention0, contention1
+    info["requests"] = request_table(records)
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -282,7 +345,8 @@ def render(result: dict[str, Any]) -> None:
             f"{w['uncached_tokens_mean_ideal']:.0f} uncached if reused ideally; capacity (timing model) "
             f"{w['capacity_req_s_prefix_aware_ideal']:.2f} req/s prefix-aware ideal, "
             f"{w['capacity_req_s_no_reuse']:.2f} no reuse; rate {w['rate_req_s']:.2f} req/s ({capped}"
-            f"{100 * w['load_vs_prefix_aware_capacity']:.0f} % / {100 * w['load_vs_no_reuse_capacity']:.0f} % of them)"
+            f"{100 * w['load_vs_prefix_aware_capacity']:.0f} % / {100 * w['load_vs_no_reuse_capacity']:.0f} % of them); "
+            f"KV cache {w.get('num_kv_blocks', '?')} blocks per replica"
         )
         for policy, run in s["policies"].items():
             if "error" in run:
@@ -290,11 +354,17 @@ def render(result: dict[str, Any]) -> None:
             elif run["summary"]["errors"]:
                 notes.append(f"{scen} / {policy} errors: {run['summary']['errors']}")
         for other, c in s.get("comparison", {}).items():
-            notes.append(f"{scen}: prefix-aware {other.replace('_', ' ')}: TTFT mean {_f(c['ttft_mean_ratio'], 2)}x "
+            notes.append(f"{scen}: prefix-aware {other.replace('_', ' ', 1)}: TTFT mean {_f(c['ttft_mean_ratio'], 2)}x "
                          f"lower, throughput {_f(c['throughput_ratio'], 2)}x")  # fmt: skip
     for name, t in result["targets"].items():
-        notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} "
-                     f"({', '.join(f'{k} {v:.3g}' for k, v in t.items() if isinstance(v, float))})")  # fmt: skip
+        figures = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if isinstance(v, float))
+        if name.startswith("peer_"):  # issue 27's, against vllm-router: PASS / FAIL, or only reported
+            if "load_share_max_over_mean" in t:
+                figures = ", ".join(f"{p} {_f(v, 2)}" for p, v in t["load_share_max_over_mean"].items())
+            verdict = "reported:" if t["met"] is None else ("PASS" if t["met"] else "FAIL")
+            notes.append(f"{verdict} {name} ({figures})")
+        else:
+            notes.append(f"target {name}: {'met' if t['met'] else 'NOT met'} ({figures})")
     notes.extend(result["notes"])
     common.print_table(
         f"Routing benchmark: {result['command']}",
@@ -322,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for scen in args.scenarios:
         w = build_workload(scen, args, tokenizer, words)
         w.info.update(calibrate(w, args, cost))
+        w.info["num_kv_blocks"] = kv_blocks(scen, args)
         workloads[scen] = w
     result: dict[str, Any] = {
         "benchmark": NAME,

@@ -26,6 +26,7 @@ from bench import _routing_requests as routing_requests
 from bench import _routing_stats as routing_stats
 from bench import _routing_workloads as routing_workloads
 from bench import _serve_common as sc
+from bench import _vllm_router as vllm_router
 from bench import gateway_overhead as overhead
 from bench import routing
 from tests.sse_server import SseServer
@@ -42,8 +43,11 @@ def tokenizer_and_words(demo_model):
 
 def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
     out = tmp_path / "routing.json"
+    # vLLM's router (issue 27's peer) runs beside kvfleet's policies where it is installed
+    peer = ["vllm-router:cache_aware"] if vllm_router.version() is not None else []
+    policies = ["prefix-aware", "round-robin", *peer]
     argv = ["--quick", "--model", str(demo_model(preset="tiny")), "--scenarios", "shared-prefix,multi-turn",
-            "--policies", "prefix-aware,round-robin", "--log-dir", str(tmp_path / "logs"),
+            "--policies", ",".join(policies), "--log-dir", str(tmp_path / "logs"),
             "--out", str(out)]  # fmt: skip
     result = routing.main(argv)
     data = json.loads(out.read_text())
@@ -63,7 +67,7 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
         assert (
             w["rate_req_s"] > 0 and w["capacity_req_s_prefix_aware_ideal"] >= w["capacity_req_s_no_reuse"] > 0
         )
-        assert list(scen["policies"]) == ["prefix-aware", "round-robin"]
+        assert list(scen["policies"]) == policies
         for policy, run in scen["policies"].items():
             assert "error" not in run, (name, policy, run.get("error"))
             s = run["summary"]
@@ -77,6 +81,10 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
             assert set(s["requests_per_replica"]) == {"sim-0", "sim-1"}
             assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and s["request_throughput"] > 0
             assert 0 <= s["cache_hit_rate"] < 1
+            if policy in peer:  # the router forwarded every request; the replicas' own counts add up
+                assert run["router"]["counters"]["requests"] == s["requests"]
+                assert sum(run["router"]["counters"]["per_worker"].values()) == s["requests"]
+                continue
             assert set(run["gateway"]) >= {
                 "predicted_cached_tokens",
                 "actual_cached_tokens",
@@ -88,13 +96,16 @@ def test_routing_quick_writes_every_run(tmp_path: Path, demo_model) -> None:
             assert len(table) == s["requests"]
             assert all(r["replica"] in ("sim-0", "sim-1") and r["prompt_tokens"] > 0 for r in table)
             assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in table)
-        assert set(scen["comparison"]) == {"vs_round-robin"}
+        assert set(scen["comparison"]) == {"vs_round-robin", *(f"vs_{p}" for p in peer)}
     chats = data["scenarios"]["multi-turn"]["policies"]["prefix-aware"]["requests"]
     turns = {row[chats["fields"].index("turn")] for row in chats["rows"]}
     assert turns == {0, 1}  # --quick: 2 turns per chat
-    assert set(data["targets"]) == {"shared_prefix"} and isinstance(
-        data["targets"]["shared_prefix"]["met"], bool
-    )
+    peer_targets = {"peer_shared_prefix", "peer_multi_turn"} if peer else set()
+    assert set(data["targets"]) == {"shared_prefix", *peer_targets}
+    assert isinstance(data["targets"]["shared_prefix"]["met"], bool)
+    if peer:  # judged under cache pressure; reported only for the multi-turn chats
+        assert isinstance(data["targets"]["peer_shared_prefix"]["met"], bool)
+        assert data["targets"]["peer_multi_turn"]["met"] is None
 
 
 @pytest.mark.parametrize(
@@ -106,9 +117,12 @@ def test_gateway_overhead_quick_writes_stats(
     out = tmp_path / "overhead.json"
     cpus = sorted(os.sched_getaffinity(0))
     layout = "isolated" if len(cpus) >= 2 and load == "closed" else "shared"
+    # the closed load runs vLLM's router as the third side where it is installed (issue 27's peer)
+    peer = load == "closed" and vllm_router.version() is not None
     argv = ["--quick", "--load", load, "--model", str(demo_model(preset="tiny")), "--log-dir",
             str(tmp_path / "logs"), "--out", str(out), "--cpu-layout", layout, "--client", client,
-            *(["--a-a"] if a_a else [])]  # fmt: skip
+            *(["--a-a"] if a_a else []), *(["--peer", "vllm-router"] if peer else [])]  # fmt: skip
+    sides = ["direct", "gateway", *(["vllm-router"] if peer else [])]
     result = overhead.main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(result, default=str))
@@ -118,7 +132,7 @@ def test_gateway_overhead_quick_writes_stats(
     n = w["rounds"] * (
         w["requests_per_round"] if load == "paced" else w["concurrency"] * w["requests_per_client"]
     )
-    for side in ("direct", "gateway"):
+    for side in sides:
         s = data["stats"][side]
         assert s["requests"] == s["ok"] == n and s["errors"] == {}
         assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
@@ -136,7 +150,7 @@ def test_gateway_overhead_quick_writes_stats(
         assert all(0 < r["gateway_overhead_ms"] < r["gateway_ttft_ms"] < r["ttft_ms"]
                    for r in gateway_rows if r["side"] == "gateway")  # fmt: skip
     table = [dict(zip(data["requests"]["fields"], row)) for row in data["requests"]["rows"]]
-    assert len(table) == 2 * n and all(r["engine_ttft_ms"] < r["ttft_ms"] for r in table)
+    assert len(table) == len(sides) * n and all(r["engine_ttft_ms"] < r["ttft_ms"] for r in table)
     assert data["config"]["reference_requests"] == (0 if load == "paced" else 4)
     if load == "paced":  # every request of a round was timed, with the streams in flight measured
         assert all(r["streams_in_flight"]["peak"] >= 1 for r in data["rounds"])
@@ -156,14 +170,41 @@ def test_gateway_overhead_quick_writes_stats(
     assert per["gateway_redis_round_trips"]["request_path"] >= 1.0
     assert per["redis_commands"]["total"] > 0 and per["cpu_ms"]["gateway"] > 0
     assert data["per_direct_request"]["cpu_ms"]["engine"] > 0
-    assert [r["side"] for r in data["rounds"]] == ["direct", "gateway"]
+    assert [r["side"] for r in data["rounds"]] == sides
     assert set(data["targets"]) == {"added_latency", "added_latency_end_to_end", "redis_round_trips"}
     assert all(isinstance(t["met"], bool) for t in data["targets"].values())
     if layout == "isolated":  # the gateway and Redis got the second half of the CPUs, the rest the first half
         half = len(cpus) // 2
         assert data["cpu_layout"] == {"layout": "isolated", "gateway_and_redis": cpus[half:],
-                                      "clients_and_replica": cpus[:half]}  # fmt: skip
+                                      "clients_and_replica": cpus[:half],
+                                      **({"peer_router": cpus[half:]} if peer else {})}  # fmt: skip
+    if peer:
+        _check_peer_side(data, n)
     assert os.sched_getaffinity(0) == set(cpus)  # the test process got its CPUs back
+
+
+def _check_peer_side(data: dict, n: int) -> None:
+    """The peer router's side of a ``--peer vllm-router`` run (closed load): it served every request (the
+    router's own count: warm-up, sequential reference and rounds; the replica logged each of the rounds' under
+    the bench's request id, checked with the other sides: the router forwards ``X-Request-Id``), and the
+    comparison and both targets are in the JSON."""
+    w, cfg, peer = data["workload"], data["config"], data["peer"]
+    assert peer["name"] == "vllm-router" and peer["version"] == vllm_router.version()
+    assert peer["policy"] == "round_robin" and "prefix-aware routing" in peer["kvfleet_features"]
+    assert cfg["quotas"] is True and w["tenant_limits"]["max_concurrent"] > 0  # every kvfleet feature on
+    assert peer["router_counters"]["requests"] == cfg["warmup_requests"] + cfg["reference_requests"] + n
+    assert data["reference"]["vllm-router"]["ok"] == cfg["reference_requests"]
+    assert set(data["stats"]["added_ms_by_side"]) == {"gateway", "vllm-router"}
+    assert data["stats"]["added_ms_by_side"]["gateway"] == data["stats"]["added_ms"]
+    assert "peer" in data["per_side_request"]["vllm-router"]["cpu_ms"]  # its CPU seconds were read
+    c = peer["comparison"]
+    assert all(
+        v > 0 for side in ("direct", "gateway", "vllm-router") for v in c["requests_per_s"][side]["per_round"]
+    )
+    assert set(peer["targets"]) == {"peer_added_ttft", "peer_throughput"}
+    assert all(isinstance(t["met"], bool) for t in peer["targets"].values())
+    assert peer["targets"]["peer_throughput"]["streams"] == w["concurrency"]
+    assert len(peer["round_pair_added_ms"]) == w["rounds"]
 
 
 def _event(obj: dict | str) -> bytes:
@@ -285,7 +326,7 @@ def test_workloads_have_the_shape_asked_for(scenario: str, tokenizer_and_words) 
             args.chat_system_len if scenario == "multi-turn" else args.system_len
         )
     systems = {s.system for s in w.sessions}
-    if scenario == "shared-prefix":
+    if scenario in ("shared-prefix", routing_workloads.NO_PRESSURE):
         assert len(w.sessions) == 6 and len(systems) == 3
         assert sorted(s.group for s in w.sessions) == [0, 0, 1, 1, 2, 2]
     elif scenario == "hot-prefix":
