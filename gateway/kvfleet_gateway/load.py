@@ -62,6 +62,12 @@ class Lease:
     released: bool = False
 
 
+def _drop_spent(counts: Counter[str], key: str) -> None:
+    """Remove ``key`` once its count is down to zero (or below), as ``counts += Counter()`` would."""
+    if counts.get(key, 1) <= 0:
+        del counts[key]
+
+
 class LoadTracker:
     def __init__(self, gateway_id: str, redis_calls: StoreCalls, interval: float = 0.05) -> None:
         self.gateway_id = gateway_id
@@ -111,9 +117,13 @@ class LoadTracker:
         self.tenant_inflight[t.tenant] -= 1
         if t.model:
             self.model_inflight[t.model] -= 1
-        for c in (self.replica_inflight, self.replica_queued, self.tenant_inflight, self.model_inflight,
-                  self.model_queued):  # fmt: skip
-            c += Counter()  # drops zero entries
+        # entries that reached zero go (the reports publish every entry): only the ones this ticket touched
+        _drop_spent(self.replica_inflight, t.replica_id)
+        _drop_spent(self.replica_queued, t.replica_id)
+        _drop_spent(self.tenant_inflight, t.tenant)
+        if t.model:
+            _drop_spent(self.model_inflight, t.model)
+            _drop_spent(self.model_queued, t.model)
         if usage is not None and len(self._usage) < MAX_PENDING_USAGE:
             self._usage.append(usage)
         self._dirty.set()

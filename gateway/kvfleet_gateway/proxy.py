@@ -580,6 +580,9 @@ class _StreamRelay(Response):
             if outcome == "client_gone":
                 r.relayed_to_end = relay.ended_stream  # left after [DONE]: a complete request, not a 499
                 return
+            if relay.ended_response:  # with the body's last events (the usual end)
+                r.relayed_to_end = True
+                return
             last = relay.tail if outcome == "complete" else proxy._stream_failed(r, relay.error)
             await send({"type": "http.response.body", "body": last, "more_body": False})
             r.relayed_to_end = True

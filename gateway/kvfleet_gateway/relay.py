@@ -14,6 +14,11 @@ send wrappers do not care; an ASGI middleware that keeps per-request state in co
 
 The relay cuts the byte stream at event boundaries (a partial event waits for its end) so that the
 usage event, which the gateway may have asked for on the client's behalf, can be read and dropped.
+
+The read that ends the replica's body (its last events, ``[DONE]``, and the chunked body's end, usually in one
+read) ends the client's response too, in the same ``send`` (``more_body`` false): the stream's last events
+and the end of the client's chunked body go out in one write, where they took two (a syscall, a TCP
+segment and a wake-up of the client each; docs/BENCHMARKS.md, "Gateway CPU per request").
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ _DONE_MARK = b"data: [DONE]"  # the OpenAI stream's last event
 
 class SseRelay:
     """Relays ``upstream``'s SSE body to ``send`` (see the module docstring). ``run`` drives it;
-    afterwards ``usage`` is the stream's usage object (if the replica sent one) and ``tail`` any bytes
-    after the last complete event."""
+    afterwards ``usage`` is the stream's usage object (if the replica sent one), ``ended_response`` whether
+    the relay ended the client's response itself (the body ended cleanly; nothing more may be sent), and
+    otherwise ``tail`` any bytes after the last complete event."""
 
-    __slots__ = ("_backlog", "_buf", "_client_left", "_done_queued", "_drained", "_keep_usage", "_on_first_event",
-                 "_pending", "_send", "_stopped", "_upstream", "ended_stream", "error", "tail", "usage")  # fmt: skip
+    __slots__ = ("_backlog", "_buf", "_client_left", "_done_queued", "_drained", "_final_queued", "_final_sending",
+                 "_keep_usage", "_on_first_event", "_pending", "_send", "_stopped", "_upstream", "ended_response",
+                 "ended_stream", "error", "tail", "usage")  # fmt: skip
 
     def __init__(
         self, upstream: UpstreamResponse, send: Send, keep_usage: bool, on_first_event: Callable[[], None]
@@ -58,6 +65,9 @@ class SseRelay:
         # client) before the client was seen to leave: it has everything. A client that hangs up right after
         # reading it, before the chunked body's end, is done.
         self._done_queued = False
+        self._final_queued = False  # the body's last part is in the backlog: its send ends the response
+        self._final_sending = False  # the send in progress ends the response
+        self.ended_response = False  # that send returned: the client's response is complete
         self.ended_stream = False
         self.usage: dict[str, Any] | None = None
         self.error: BaseException | None = None  # the replica's read error, or the client's send error
@@ -65,13 +75,15 @@ class SseRelay:
 
     async def run(self, receive: Receive) -> Outcome:
         """Relay until the replica's body ended (every event handed to ``send``) or the client left."""
-        upstream_done = self._upstream.stream(self._feed)
+        upstream_done = self._upstream.stream(self._feed, self._feed_last)
         client_left = self._client_left = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((upstream_done, client_left), return_when=asyncio.FIRST_COMPLETED)
             if not client_left.done() and self._pending is not None:
                 self._drained = asyncio.get_running_loop().create_future()
                 await asyncio.wait((self._drained, client_left), return_when=asyncio.FIRST_COMPLETED)
+            if self.ended_response:  # (the server's receive reports a disconnect once a response is over)
+                return "complete"
             if client_left.done() or self._stopped:
                 return "client_gone"
             self.error = upstream_done.exception()
@@ -103,19 +115,47 @@ class SseRelay:
             self._buf = buf
             return
         events, self._buf = buf[:end], buf[end:]
+        events = self._events_out(events)
+        if not events:
+            return
+        if self._pending is not None:
+            self._backlog.append(events)
+        else:
+            self._send_body(events, final=False)
+
+    def _feed_last(self, data: bytes) -> None:
+        """The body's last part: its events, and any bytes after the last one (sent as they are, as the
+        proxy sends a tail), end the client's response."""
+        if self._stopped:
+            return
+        buf = self._buf + data if self._buf else data
+        end = buf.rfind(b"\n\n") + 2
+        events, self._buf = (self._events_out(buf[:end]), buf[end:]) if end > 1 else (b"", buf)
+        if self._buf.strip():
+            events += self._buf
+        self._buf = b""
+        if self._pending is not None:
+            self._backlog.append(events)
+            self._final_queued = True
+        else:
+            self._send_body(events, final=True)
+
+    def _events_out(self, events: bytes) -> bytes:
+        """Complete events on their way to the client: metered, the first one noted."""
         if _USAGE_MARK in events:
             events = self._meter(events)
             if not events:
-                return
+                return b""
         if self._on_first_event is not None:
             self._on_first_event()
             self._on_first_event = None
         if _DONE_MARK in events:
             self._done_queued = True
-        if self._pending is not None:
-            self._backlog.append(events)
-        else:
-            self._step(self._send({"type": "http.response.body", "body": events, "more_body": True}))
+        return events
+
+    def _send_body(self, body: bytes, final: bool) -> None:
+        self._final_sending = final
+        self._step(self._send({"type": "http.response.body", "body": body, "more_body": not final}))
 
     def _meter(self, events: bytes) -> bytes:
         """Take the usage from the events that carry one; drop those events unless the client asked."""
@@ -161,8 +201,10 @@ class SseRelay:
         if self._backlog:
             body = b"".join(self._backlog)
             self._backlog.clear()
-            self._step(self._send({"type": "http.response.body", "body": body, "more_body": True}))
+            self._send_body(body, final=self._final_queued)
             return
+        if self._final_sending:
+            self.ended_response = True
         if self._done_queued and not (self._client_left is not None and self._client_left.done()):
             self.ended_stream = True  # [DONE] is the last event: with the backlog empty, it went out
         self._upstream.resume_reading()

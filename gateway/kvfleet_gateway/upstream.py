@@ -90,7 +90,8 @@ class UpstreamResponse:
     ``close(abort=True)`` drops the connection (the engine sees the client go away and aborts the
     request); ``close()`` after the body was read to the end returns the connection to the pool."""
 
-    __slots__ = ("_chunks", "_closed", "_conn", "_done", "_head", "_on_data", "headers", "status_code")
+    __slots__ = ("_chunks", "_closed", "_conn", "_done", "_head", "_on_data", "_on_last", "headers",
+                 "status_code")  # fmt: skip
 
     def __init__(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -101,6 +102,7 @@ class UpstreamResponse:
             fut.add_done_callback(_retrieve)
         self._chunks: list[bytes] = []
         self._on_data: Callable[[bytes], None] | None = None
+        self._on_last: Callable[[bytes], None] | None = None
         self._closed = False
         self.status_code = 0
         self.headers: dict[str, str] = {}
@@ -117,6 +119,13 @@ class UpstreamResponse:
         else:
             self._chunks.append(data)
 
+    def _got_last(self, data: bytes) -> None:
+        """The body's last part (maybe empty), when the body ended cleanly (just before ``_got_end(None)``)."""
+        if self._on_last is not None:
+            self._on_last(data)
+        elif data:
+            self._got_body(data)
+
     def _got_end(self, error: UpstreamReadError | None) -> None:
         if not self._head.done():
             self._head.set_exception(error or UpstreamReadError("the response ended before its head"))
@@ -132,12 +141,22 @@ class UpstreamResponse:
         await self._done
         return b"".join(self._chunks)
 
-    def stream(self, on_data: Callable[[bytes], None]) -> asyncio.Future[None]:
+    def stream(
+        self, on_data: Callable[[bytes], None], on_last: Callable[[bytes], None] | None = None
+    ) -> asyncio.Future[None]:
         """Hand each part of the body to ``on_data`` as it arrives (what came before is handed first), in
         the connection's ``data_received``: ``on_data`` must not raise, and must not block. The returned
-        future is done at the end of the body, or fails with ``UpstreamReadError``."""
-        self._on_data = on_data
+        future is done at the end of the body, or fails with ``UpstreamReadError``.
+
+        ``on_last``: the part that ends the body (the bytes of the read that held its end, maybe none) goes
+        to it instead, once, and only if the body ends cleanly; then the future is done. So a relay can end
+        its own response with the same write (a stream's last events and the end of its chunked body)."""
+        self._on_data, self._on_last = on_data, on_last
         chunks, self._chunks = self._chunks, []
+        ended = self._done.done() and not self._done.cancelled() and self._done.exception() is None
+        if ended and on_last is not None:  # the whole body came before anyone asked for it
+            on_last(b"".join(chunks))
+            return self._done
         for chunk in chunks:
             on_data(chunk)
         return self._done
@@ -233,10 +252,12 @@ class _Connection(asyncio.Protocol):
         self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
-        self._hand_on_body()
+        parts, self.body_parts = self.body_parts, []
         self.keep_alive = self.parser.should_keep_alive()
-        if self.exchange is not None:
-            self.exchange._got_end(None)
+        exchange = self.exchange  # the relay may close it from ``_got_last`` (its client left): then a no-op
+        if exchange is not None:
+            exchange._got_last(parts[0] if len(parts) == 1 else b"".join(parts))
+            exchange._got_end(None)
 
     def _hand_on_body(self) -> None:
         if self.body_parts:
