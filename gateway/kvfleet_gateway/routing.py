@@ -27,16 +27,31 @@ other gateways' load, its own in-flight counts) into ``Candidate`` objects and c
 
 The score adds one more term to the expected TTFT, **cache affinity**::
 
-    score(r) = ttft(r) + CACHE_AFFINITY * (best_matched - matched(r)) / prefill_rate
+    score(r) = ttft(r) + copy_cost(r) * (best_matched - matched(r)) / prefill_rate
+    copy_cost(r) = CACHE_AFFINITY + EVICTION_WEIGHT * kv_usage(r)
 
 Sending a request away from the replica that holds its prefix costs more than this request's
 recompute (already in ``ttft``): the prefix now occupies KV memory on two replicas, and the group's
 later requests split their hits between them. Counting the recompute a second time keeps a prompt group
 together until waiting for its replica costs more than twice the recompute, which is when spreading
 it pays. (Measured in ``bench/routing.py``: without it, a greedy per-request TTFT choice scattered
-groups during a burst.) Replicas under KV pressure do not attract by affinity (their cache is being
-evicted). ``matched`` is the larger of the KV index's match and the prefix this gateway
+groups during a burst.) ``matched`` is the larger of the KV index's match and the prefix this gateway
 routed there in the last seconds (``recent_routes``), so a burst sticks before the index catches up.
+
+**Under cache pressure affinity counts more, never less.** Each copy of a prefix takes KV blocks on its
+new replica, and when that cache is full the blocks come from another group's cached prefix, which that
+group then recomputes: the copy costs its own recompute, the split, and about as many evicted tokens.
+The gateway does not see how full a replica's prefix cache is, only ``kv_usage`` (the share of blocks
+running requests hold; the rest is the cache); the fuller it is, the likelier a copy evicts something
+still in use, so the eviction is charged as ``EVICTION_WEIGHT * kv_usage`` recomputes of the copied
+tokens. On an idle replica it adds almost nothing; on a full one a group moves only when waiting for its
+replica costs about three times the recompute. Every holder attracts, also one under KV pressure: its
+match is still the cheapest place for this request (a hit adds a few blocks, a miss a whole prompt),
+and its pressure is already in ``ttft`` as ``KV_PRESSURE_PENALTY_S``. (Measured in ``bench/routing.py``
+shared-prefix, 16 groups on 4 replicas of 768 blocks: with affinity switched off for replicas above
+``KV_PRESSURE_THRESHOLD``, as before, most replicas were above it for the second half of the run and
+their groups were copied to whichever queue was shorter: six of the ten requests that left their group's
+replica, and the hit rate was 65-67 % against 78 % for vLLM's router, which never moves a group.)
 
 Last, **bounded load** (``bounded_load``): a replica with more than ``BOUNDED_LOAD_FACTOR`` x the mean
 requests in flight does not take the request, whatever its cache holds; the best-ranked one under the
@@ -46,7 +61,10 @@ stops spreading as soon as two replicas keep up, and the others idle.
 ``least-load`` picks the fewest requests in flight (gateway counts, fresh) then the fewest the engine
 reports running + waiting; ``round-robin`` rotates through the candidates (per gateway).
 Scores within ``TIE_TOLERANCE_S`` / ``TIE_FRACTION`` of the best are ties, broken by fewer requests in
-flight and then by a per-request rotation, so equal replicas share work.
+flight and then by a per-request rotation, so equal replicas share work. A replica that would recompute
+more than ``TIE_TOLERANCE_S`` of prefix that a tied one holds is not tied with it: the prediction
+cannot tell them apart on time, and then not copying the prefix is the better choice. (Under load,
+``TIE_FRACTION`` of a 10 s score is half a second; breaking such ties by load alone moved groups.)
 """
 
 from __future__ import annotations
@@ -64,6 +82,7 @@ KV_PRESSURE_PENALTY_S = 1.0
 TIE_TOLERANCE_S = 0.005
 TIE_FRACTION = 0.05
 CACHE_AFFINITY = 1.0  # extra weight of a prefix recompute (see the module docstring)
+EVICTION_WEIGHT = 1.0  # ... and of the evictions a copy causes, times the target's KV usage
 BOUNDED_LOAD_FACTOR = 1.25  # no replica takes a request above this x the mean in flight (``bounded_load``)
 BOUNDED_LOAD_MIN = 4  # ... unless it has fewer than this: a quiet fleet keeps groups together
 
@@ -149,23 +168,35 @@ def choose(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, cou
         prefill = _fallback_rate([c.prefill_tokens_per_s for c in order], DEFAULT_PREFILL_TOKENS_PER_S)
         decode = _fallback_rate([c.decode_tokens_per_s for c in order], DEFAULT_DECODE_TOKENS_PER_S)
         scores = {c.replica_id: expected_ttft(c, prompt_tokens, prefill, decode) for c in order}
-        # affinity only towards replicas that can keep the prefix: one under KV pressure is evicting
-        usable = [min(c.matched_tokens, prompt_tokens) for c in order if c.kv_usage < KV_PRESSURE_THRESHOLD]
-        best_matched = max(usable, default=0)
+        best_matched = max(min(c.matched_tokens, prompt_tokens) for c in order)
         for c in order:
             missing = max(0, best_matched - min(c.matched_tokens, prompt_tokens))
-            scores[c.replica_id] += CACHE_AFFINITY * missing / prefill
+            copy_cost = CACHE_AFFINITY + EVICTION_WEIGHT * min(1.0, max(0.0, c.kv_usage))
+            scores[c.replica_id] += copy_cost * missing / prefill
+        ranked = bounded_load(_break_ties(order, scores, prompt_tokens, prefill))
+        return Decision(policy, ranked, scores, prompt_tokens)
     ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: equal scores keep the rotation
-    if policy == "prefix-aware":
-        best = scores[ranked[0].replica_id]
-        limit = best + max(TIE_TOLERANCE_S, TIE_FRACTION * best)
-        tied = [c for c in ranked if scores[c.replica_id] <= limit]
-        if len(tied) > 1:
-            position = {c.replica_id: i for i, c in enumerate(order)}
-            tied.sort(key=lambda c: (c.inflight, position[c.replica_id]))
-            ranked = tied + ranked[len(tied) :]
-        ranked = bounded_load(ranked)
     return Decision(policy, ranked, scores, prompt_tokens)
+
+
+def _break_ties(
+    order: list[Candidate], scores: dict[str, float], prompt_tokens: int, prefill: float
+) -> list[Candidate]:
+    """``order`` (the rotation) ranked by score, where scores within the tie tolerance of the best go by
+    fewer requests in flight, then the rotation; a replica missing more than ``TIE_TOLERANCE_S`` of
+    prefill that another tied one holds is not tied with it (see the module docstring)."""
+    ranked = sorted(order, key=lambda c: scores[c.replica_id])  # stable: equal scores keep the rotation
+    best = scores[ranked[0].replica_id]
+    limit = best + max(TIE_TOLERANCE_S, TIE_FRACTION * best)
+    tied = [c for c in ranked if scores[c.replica_id] <= limit]
+    if len(tied) < 2:
+        return ranked
+    most = max(min(c.matched_tokens, prompt_tokens) for c in tied)
+    tied = [c for c in tied if (most - min(c.matched_tokens, prompt_tokens)) / prefill <= TIE_TOLERANCE_S]
+    position = {c.replica_id: i for i, c in enumerate(order)}
+    tied.sort(key=lambda c: (c.inflight, position[c.replica_id]))
+    first = {c.replica_id for c in tied}
+    return tied + [c for c in ranked if c.replica_id not in first]
 
 
 def load_bound(candidates: Sequence[Candidate]) -> int:
