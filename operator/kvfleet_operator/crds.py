@@ -464,6 +464,8 @@ def inference_model_crd() -> dict:
         columns=[
             {"name": "Model", "type": "string", "jsonPath": ".status.servedName"},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+            # with spec.autoscaling, spec.replicas is ignored: this is what the autoscaler asks for
+            {"name": "Autoscaled", "type": "integer", "jsonPath": ".status.autoscaling.desiredReplicas"},
             {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
             {"name": "Awake", "type": "integer", "jsonPath": ".status.awakeReplicas"},
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
