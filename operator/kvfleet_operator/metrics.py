@@ -43,7 +43,8 @@ class OperatorMetrics:
             self.cold_starts.labels(namespace, model).inc()
 
     def forget(self, namespace: str, model: str) -> None:
-        """A deleted model's series go with it."""
+        """A deleted model's gauges go with it (its counters stay: Prometheus's rate() needs them to end, not
+        vanish)."""
         for metric in (self.desired, self.ready):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, model)

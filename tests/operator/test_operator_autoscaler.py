@@ -163,6 +163,16 @@ def test_from_zero_to_max_and_back_with_status_events_and_metrics(
         assert f'kvfleet_operator_autoscaler_scale_events_total{{model="{MODEL}",namespace="{NS}",reason="{reason}"}} 1.0' \
             in text, reason  # fmt: skip
     assert f'kvfleet_operator_cold_starts_total{{model="{MODEL}",namespace="{NS}"}} 1.0' in text
+    gauge = f'kvfleet_operator_autoscaler_desired_replicas{{model="{MODEL}",namespace="{NS}"}}'
+    assert gauge in text
+
+    # a deleted model's gauges go with it (its pods go first, as the garbage collector would take them)
+    for name in ("auto-a", "auto-b", "auto-c"):
+        kube.delete(f"{PODS}/{name}")
+    kube.delete(f"{MODELS}/{MODEL}")
+    eventually(lambda: kube.get(f"{MODELS}/{MODEL}") is None, timeout=30)
+    eventually(lambda: gauge not in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text,
+               timeout=10)  # fmt: skip
 
 
 def test_a_blind_tick_changes_nothing(kube: KubeEmulator, store: FleetStore, module_redis,

@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 import redis.exceptions
 
+from kvfleet_common.schemas import Heartbeat
 from kvfleet_operator import manifests
 from kvfleet_operator.autoscaling import Decision, LoadSample, ScalerMemory, decide
 from kvfleet_operator.handlers.context import OperatorContext, OperatorMemo
@@ -42,8 +43,11 @@ def is_autoscaled(spec: dict[str, Any], **_: Any) -> bool:
     return bool(spec.get("autoscaling"))
 
 
-async def sample_model(context: OperatorContext, model: ModelSpec, deployment: dict[str, Any]) -> LoadSample:
-    """One tick's view of the model (Redis errors propagate: the caller skips the tick)."""
+async def sample_model(
+    context: OperatorContext, model: ModelSpec, deployment: dict[str, Any]
+) -> tuple[LoadSample, list[Heartbeat]]:
+    """One tick's view of the model, and the verified heartbeats it was taken from (Redis errors propagate:
+    the caller skips the tick)."""
     store = context.store()
     load = await store.model_load(model.served_name)
     heartbeats = context.verified(await store.live_replicas(model.served_name))
@@ -60,17 +64,16 @@ async def sample_model(context: OperatorContext, model: ModelSpec, deployment: d
         waiting=sum(hb.waiting for hb in heartbeats),
         kv_usage=sum(hb.kv_usage for hb in serving),
         last_request_at=last_request,
-    )
+    ), heartbeats
 
 
-async def mark_deletion_costs(context: OperatorContext, model: ModelSpec) -> None:
-    """Give each of the model's pods a deletion cost = its replica's requests (no heartbeat: -1, first to
-    go), so that a scale-down removes the idlest replicas. Best effort: a failed patch only loses the hint."""
+async def mark_deletion_costs(
+    context: OperatorContext, model: ModelSpec, heartbeats: list[Heartbeat]
+) -> None:
+    """Give each of the model's pods a deletion cost = its replica's requests in ``heartbeats`` (this tick's;
+    no heartbeat: -1, first to go), so that a scale-down removes the idlest replicas. Best effort: a failed
+    patch only loses the hint."""
     kube = context.kube()
-    try:
-        heartbeats = context.verified(await context.store().live_replicas(model.served_name))
-    except (redis.exceptions.RedisError, OSError):
-        return
     work = {hb.name: hb.running + hb.waiting for hb in heartbeats if hb.state != "draining"}
     pods = await kube.list(
         object_path("v1", "Pod", model.namespace), label_selector=manifests.selector_string(model)
@@ -135,7 +138,7 @@ async def autoscale_model(body: kopf.Body, memo: OperatorMemo, logger: logging.L
     if deployment is None:
         return  # reconcile_model creates it
     try:
-        sample = await sample_model(context, model, deployment)
+        sample, heartbeats = await sample_model(context, model, deployment)
     except (redis.exceptions.RedisError, OSError) as e:
         logger.warning("autoscaler: Redis unavailable, keeping %s as it is: %s", model.name, e)
         return
@@ -145,7 +148,7 @@ async def autoscale_model(body: kopf.Body, memo: OperatorMemo, logger: logging.L
     metrics.observe(model.namespace, model.name, decision, sample)
     if decision.changed:
         if decision.replicas < decision.previous:
-            await mark_deletion_costs(context, model)
+            await mark_deletion_costs(context, model, heartbeats)
         await kube.merge_patch(
             object_path("apps/v1", "Deployment", model.namespace, model.name),
             {"spec": {"replicas": decision.replicas}},

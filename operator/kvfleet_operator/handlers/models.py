@@ -151,6 +151,7 @@ async def delete_model(
         raise kopf.TemporaryError(
             f"Redis unavailable, cannot purge the model yet: {e}", delay=RETRY_DELAY
         ) from e
+    context.metrics.forget(meta["namespace"], meta["name"])
     logger.info("deleted %s and purged its Redis records", meta["name"])
 
 
