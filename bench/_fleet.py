@@ -114,7 +114,7 @@ def replica_command(
 def gateway_command(redis_url: str, policy: str, extra_args: Sequence[str] = ()) -> servers.ServerCommand:
     port = servers.free_port()
     argv = [
-        str(servers.BIN_DIR / "kvfleet"), "gateway", "--host", "127.0.0.1",
+        *servers.kvfleet_argv(), "gateway", "--host", "127.0.0.1",
         "--port", str(port), "--default-policy", policy, "--log-level", "warning", *extra_args,
     ]  # fmt: skip
     env = {"KVFLEET_REDIS_URL": redis_url, "KVFLEET_ADMIN_TOKEN": ADMIN_TOKEN}  # kept off the command line

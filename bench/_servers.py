@@ -28,6 +28,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
 
 
+def kvfleet_argv() -> list[str]:
+    """How to run the ``kvfleet`` CLI: the installed script beside this interpreter, or, where the sources
+    are only on ``PYTHONPATH`` (a GPU image's own Python, scripts/test-gpu.sh's system mode), the module."""
+    script = BIN_DIR / "kvfleet"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "kvfleet_cli.main"]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -60,7 +67,7 @@ def kvfleet_command(
     extra_args: Sequence[str] = (),
 ) -> ServerCommand:
     argv = [
-        str(BIN_DIR / "kvfleet"), "engine", "serve", "--model", str(model_dir),
+        *kvfleet_argv(), "engine", "serve", "--model", str(model_dir),
         "--host", host, "--port", str(port), "--served-model-name", served_model_name,
     ]  # fmt: skip
     if max_model_len is not None:

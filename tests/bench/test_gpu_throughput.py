@@ -110,7 +110,7 @@ def test_engine_args_and_server_flags_pass_enforce_eager_only_when_asked() -> No
     argv = servers.kvfleet_command(Path("/m"), 1, "x", extra_args=gt.server_flags(args, "cpu")[:-3]).argv
     from kvfleet_engine.server.serve_cli import build_parser
 
-    build_parser().parse_args(argv[3:])
+    build_parser().parse_args(argv[len(servers.kvfleet_argv()) + 2 :])  # past `kvfleet engine serve`
 
 
 def _system(tokens: int, wall: float) -> dict:
