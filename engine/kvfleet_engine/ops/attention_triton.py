@@ -37,9 +37,9 @@ import functools
 
 import torch
 
-from kvfleet_engine.ops.triton_support import HAS_TRITON, check_triton, interpreting, tl, triton
+from kvfleet_engine.ops.triton_support import HAS_TRITON, check_triton, interpreting, jit_steady, tl, triton
 
-__all__ = ["HAS_TRITON", "decode_attention", "prefill_attention"]
+__all__ = ["HAS_TRITON", "decode_attention", "decode_split_counts", "prefill_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -123,7 +123,9 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, m_new, l_i
 
-    @triton.jit
+    # The block table's row stride is its width (the step's longest context), and the decode rows come
+    # first, so the prefill rows' QSL/SL/BT pointers start at an offset that changes every step.
+    @jit_steady(values=["stride_bt_b"], alignments=["QSL", "SL", "BT"])
     def _prefill_kernel(
         Q,
         K,
@@ -219,7 +221,7 @@ if HAS_TRITON:
         o_ptrs = Out + (tok64 * stride_ot + head * stride_oh)[:, None] + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
 
-    @triton.jit
+    @jit_steady(values=["stride_bt_b"], alignments=["SL", "BT"])
     def _decode_kernel(
         Q,
         K,
@@ -436,20 +438,42 @@ def _num_sms(device_index: int) -> int:
 def _pick_num_splits(
     q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context: int, block_n: int
 ) -> int:
-    """Flash-decoding split count: split the context only when (batch x kv heads) underfills the GPU."""
     if q.device.type != "cuda":
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return split_count(sms, num_seqs, num_kv_heads, max_context, block_n)
+
+
+def split_count(sms: int, num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
+    """Flash-decoding split count: split the context only when (batch x kv heads) underfills the GPU."""
     programs = num_seqs * num_kv_heads
     if programs >= sms:
         return 1
+    by_occupancy = -(-2 * sms // programs)
+    return _floor_pow2(min(_splits_by_context(max_context, block_n), by_occupancy))
+
+
+_MAX_SPLITS = 32
+
+
+def _splits_by_context(max_context: int, block_n: int) -> int:
     # Each split should keep at least a few KV tiles of work (~256 tokens).
-    by_context = max(1, max_context // max(256, 4 * block_n))
-    by_occupancy = triton.cdiv(2 * sms, programs)
-    splits = min(by_context, by_occupancy, 32)
-    if splits <= 1:
-        return 1
-    return 1 << (splits.bit_length() - 1)  # power of two: few kernel variants
+    return min(_MAX_SPLITS, max(1, max_context // max(256, 4 * block_n)))
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n.bit_length() - 1)  # powers of two: few kernel variants
+
+
+def decode_split_counts(max_context: int) -> list[int]:
+    """Every split count ``decode_attention`` can choose on the GPU for contexts up to ``max_context``."""
+    most = _floor_pow2(_splits_by_context(max_context, _decode_tiles()[0]))
+    return [1 << i for i in range(most.bit_length())]
+
+
+def _decode_tiles() -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode kernel."""
+    return (16, 4) if interpreting() else (64, 4)
 
 
 def decode_attention(
@@ -482,10 +506,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     block_d = _block_d(head_dim)
-    if interpreting():
-        block_n, num_warps = 16, 4
-    else:
-        block_n, num_warps = 64, 4
+    block_n, num_warps = _decode_tiles()
     if num_splits is None:
         num_splits = _pick_num_splits(q, num_seqs, num_kv_heads, block_tables.shape[1] * page_size, block_n)
     if num_splits < 1 or num_splits & (num_splits - 1):

@@ -129,6 +129,52 @@ class ModelRunner:
             len(self.graphs.sizes), self.graphs.sizes[-1], time.perf_counter() - t0,
         )  # fmt: skip
 
+    @torch.inference_mode()
+    def warm_up(self, force: bool = False) -> None:
+        """Run every kernel variant a step can need once, before the first request.
+
+        Triton compiles a kernel variant the first time it is launched (about a second each, on the engine's
+        thread): left to the first requests, it stalls their steps by seconds. On CUDA only (``force`` runs
+        it on any device, for tests): a mixed step (one decode row, two prefills) through the whole model,
+        single-GPU only (a TP/PP forward needs its peers in step), then the decode kernel with every split
+        count it can choose. Every K/V write goes to slot 0 of the null block, which no request owns.
+        """
+        if self.device.type != "cuda" and not force:
+            return
+        t0 = time.perf_counter()
+        if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:
+            q_lens = np.array([1, 2, 3], dtype=np.int32)
+            cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            step = StepArrays(
+                token_ids=np.zeros(int(cu[-1]), dtype=np.int64),
+                positions=np.concatenate([np.arange(q) for q in q_lens]).astype(np.int64),
+                slots=np.zeros(int(cu[-1]), dtype=np.int64),
+                query_start_loc=cu,
+                seq_lens=q_lens.copy(),
+                block_tables=np.zeros((len(q_lens), 1), dtype=np.int32),
+                logits_idx=(cu[1:] - 1).astype(np.int64),
+                num_decodes=1,
+                max_query_len=int(q_lens.max()),
+            )
+            input_ids, positions, meta, logits_idx = self._device_inputs(step)
+            with set_attn_metadata(meta):
+                hidden = self.model(input_ids, positions, None)
+            self.model.compute_logits(hidden[logits_idx]).argmax(dim=-1)
+        if self.config.attention_backend == "triton":
+            from kvfleet_engine.ops import attention_triton
+
+            layer = self.attn_layers[0]
+            q = torch.zeros((1, layer.num_heads, layer.head_dim), dtype=self.config.dtype, device=self.device)
+            seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
+            tables = torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device)
+            for splits in attention_triton.decode_split_counts(self.max_blocks_per_req * self.block_size):
+                attention_triton.decode_attention(
+                    q, layer.k_cache, layer.v_cache, seq_lens, tables, layer.scale, num_splits=splits
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warmed up the step's kernels in %.2fs", time.perf_counter() - t0)
+
     def release_graphs(self) -> None:
         """Drop the graphs (they point into the weights and KV cache, which are about to move)."""
         if self.graphs is not None:

@@ -72,6 +72,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up()
         self.runner.capture_graphs()
 
     def execute_model(
