@@ -19,7 +19,7 @@
 #       system mode: that interpreter as it is (e.g. a machine image with CUDA torch preinstalled and the
 #       other wheels carried in), with the sources on PYTHONPATH=common:engine:gateway:cli:devkit instead of an
 #       editable install. It needs torch (CUDA), transformers, tokenizers, safetensors, numpy, msgspec,
-#       xxhash, pydantic and pytest; triton for the kernel tests (skipped without it).
+#       xxhash, pydantic, pytest, openai and jsonschema; triton for the kernel tests (skipped without it).
 #
 # The Redis-backed presence tests run only where `redis-server` is on PATH (no apt-get here).
 set -euo pipefail
@@ -57,7 +57,8 @@ if torch.version.cuda is None or not torch.cuda.is_available():
         "this script never installs torch: see its header"
     )
 missing = []
-for name in ("kvfleet_engine", "transformers", "tokenizers", "safetensors", "numpy", "pytest"):
+needed = ("kvfleet_engine", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "openai", "jsonschema")
+for name in needed:
     try:
         importlib.import_module(name)
     except ImportError as e:
@@ -78,8 +79,8 @@ export KVFLEET_TEST_DEVICE="${KVFLEET_TEST_DEVICE:-cuda}"
 unset TRITON_INTERPRET  # compiled kernels (tests/conftest.py sets it only where torch sees no CUDA)
 args=(tests/engine -q)
 if ! command -v redis-server >/dev/null; then
-  echo "[test-gpu] no redis-server on PATH: leaving out tests/engine/test_presence.py"
-  args+=(--ignore=tests/engine/test_presence.py)
+  echo "[test-gpu] no redis-server on PATH: leaving out tests/engine/test_presence.py, test_presence_signing.py"
+  args+=(--ignore=tests/engine/test_presence.py --ignore=tests/engine/test_presence_signing.py)
 fi
 echo "[test-gpu] KVFLEET_TEST_DEVICE=$KVFLEET_TEST_DEVICE $py -m pytest ${args[*]} $*"
 exec "$py" -m pytest "${args[@]}" "$@"

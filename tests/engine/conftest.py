@@ -69,13 +69,15 @@ def triton_device(test_device: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(demo_model, tmp_path_factory):
+def server(demo_model, tmp_path_factory, test_device):
     """An engine server process on the tiny llama model (max_model_len 1024) for a whole test module: the
-    API tests of tools, structured outputs and logit_bias share its shape. A module may define its own."""
+    API tests of tools, structured outputs and logit_bias share its shape. A module may define its own.
+    On the test device (left to itself, the server takes the GPU of a GPU machine)."""
     from tests.server.server_harness import run_server
 
+    logs = tmp_path_factory.mktemp("logs")
     with run_server(
-        demo_model("llama", "tiny"), tmp_path_factory.mktemp("logs"), "--max-model-len", "1024"
+        demo_model("llama", "tiny"), logs, "--max-model-len", "1024", "--device", test_device
     ) as s:
         yield s
 

@@ -89,8 +89,10 @@ def test_prompt_logprobs_match_hf(case, engine_kw, test_device):
 
 
 @pytest.fixture(scope="module")
-def server(case, tmp_path_factory):
-    with run_server(case["path"], tmp_path_factory.mktemp("logs"), "--max-model-len", "512") as s:
+def server(case, tmp_path_factory, test_device):
+    # float32 on the test device, as the reference (on a GPU the server's own default is bfloat16)
+    flags = ("--max-model-len", "512", "--device", test_device, "--dtype", "float32")
+    with run_server(case["path"], tmp_path_factory.mktemp("logs"), *flags) as s:
         yield s
 
 

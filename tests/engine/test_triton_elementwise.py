@@ -238,7 +238,8 @@ def test_engine_tokens_equal_with_kernels_forced_on(demo_model, monkeypatch):
 
     def run(mode: str) -> list[list[int]]:
         monkeypatch.setenv(et.ENV_VAR, mode)  # read by the layers when the model is built
-        llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", use_tqdm=False)
+        # Compiled kernels on a GPU (the engine then also captures decode graphs), interpreted ones on CPU.
+        llm = LLM(path, dtype="float32", device=DEVICE, attention_backend="triton", use_tqdm=False)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
     calls = {"rms_norm": 0, "rotary_": 0, "silu_and_mul": 0}
