@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     k.add_argument(
         "--enforce-eager", action="store_true", help="pass enforce_eager=True / --enforce-eager to kvfleet"
     )
+    k.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="pass async_scheduling=True / --async-scheduling to kvfleet (schedule step n+1 while n runs)",
+    )
     k.add_argument("--skip-server", action="store_true", help="skip the kvfleet server")
     k.add_argument("--server-stream", action="store_true", help="stream the server's responses (SSE)")
     k.add_argument("--server-args", default="", help="extra `kvfleet engine serve` flags (one string)")
@@ -97,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_args(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    """``LLM(...)`` keyword arguments; ``enforce_eager`` only when the flag is given."""
+    """``LLM(...)`` keyword arguments; ``enforce_eager`` and ``async_scheduling`` only when their flags are given."""
     kw: dict[str, Any] = {
         "dtype": args.dtype,
         "device": device,
@@ -109,6 +114,8 @@ def engine_args(args: argparse.Namespace, device: str) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    if args.async_scheduling:
+        kw["async_scheduling"] = True
     return kw
 
 

@@ -224,6 +224,8 @@ class EngineConfig:
     enforce_eager: bool
     # Set: a simulated replica (executor/simulated.py): real scheduler and KV cache, no model, a timing model.
     simulation: SimulationCost | None
+    # Schedule step n+1 while step n runs (EngineCore._step_async); one rank, in-process worker only.
+    async_scheduling: bool = False
 
     @classmethod
     def create(cls, args: EngineArgs) -> EngineConfig:
@@ -283,6 +285,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
         distributed_executor_backend = _check_parallel(mc, device, tp, pp, args.distributed_executor_backend)
+        if args.async_scheduling and (distributed_executor_backend != "uni" or simulation is not None):
+            raise ValueError(
+                "async_scheduling needs one rank with the worker in the engine's process "
+                "(no tensor/pipeline parallelism, no 'mp' executor, no simulation)"
+            )
         return cls(
             model=mc,
             dtype=resolve_dtype(args.dtype, mc.torch_dtype, device),
@@ -303,6 +310,7 @@ class EngineConfig:
             distributed_executor_backend=distributed_executor_backend,
             enforce_eager=bool(args.enforce_eager),
             simulation=simulation,
+            async_scheduling=bool(args.async_scheduling),
         )
 
     @property

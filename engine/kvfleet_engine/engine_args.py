@@ -163,6 +163,13 @@ class EngineArgs:
         default=False,
         metadata=cli(help="never replay decode steps from captured CUDA graphs (slower; for debugging)"),
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=cli(
+            help="schedule step n+1 while step n runs on the device, feeding its sampled tokens on the device "
+            "(vLLM's async scheduling); requests with penalties, min_tokens or a grammar still go step by step"
+        ),
+    )
     distributed_executor_backend: str | None = field(
         default=None,
         metadata=cli(

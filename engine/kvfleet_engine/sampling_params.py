@@ -102,7 +102,9 @@ class SamplingParams:
                     raise bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
                 if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
                     raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
             raise bad("structured_outputs must be a StructuredOutputsParams")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop strings must be non-empty strings")

@@ -100,17 +100,26 @@ def test_engine_args_and_server_flags_pass_enforce_eager_only_when_asked() -> No
     ]
 
     args = gt.parse_args(
-        ["--enforce-eager", "--max-num-batched-tokens", "4096", "--server-args", "--block-size 32"]
+        [
+            "--enforce-eager",
+            "--async-scheduling",
+            "--max-num-batched-tokens",
+            "4096",
+            "--server-args",
+            "--block-size 32",
+        ]
     )
-    assert gt.engine_args(args, "cpu")["enforce_eager"] is True
+    kw = gt.engine_args(args, "cpu")
+    assert kw["enforce_eager"] is True and kw["async_scheduling"] is True
     flags = gt.server_flags(args, "cpu")
-    assert flags[-3:] == ["--enforce-eager", "--block-size", "32"]
+    assert flags[-4:] == ["--enforce-eager", "--async-scheduling", "--block-size", "32"]
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "4096"
-    # The flags are ones `kvfleet engine serve` parses (enforce_eager aside, which a colleague adds).
-    argv = servers.kvfleet_command(Path("/m"), 1, "x", extra_args=gt.server_flags(args, "cpu")[:-3]).argv
+    # The flags are ones `kvfleet engine serve` parses.
+    argv = servers.kvfleet_command(Path("/m"), 1, "x", extra_args=flags).argv
     from kvfleet_engine.server.serve_cli import build_parser
 
-    build_parser().parse_args(argv[len(servers.kvfleet_argv()) + 2 :])  # past `kvfleet engine serve`
+    parsed = build_parser().parse_args(argv[len(servers.kvfleet_argv()) + 2 :])  # past `kvfleet engine serve`
+    assert parsed.enforce_eager is True and parsed.async_scheduling is True and parsed.block_size == 32
 
 
 def _system(tokens: int, wall: float) -> dict:

@@ -104,6 +104,12 @@ class EngineCore:
         # Pipeline parallelism: steps submitted to the workers whose outputs are not applied yet.
         self._batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self.scheduler.pipeline_depth = self.executor.max_concurrent_batches
+        # Async scheduling: the step launched on the device and not yet applied (sched, launched, t0).
+        self.scheduler.async_scheduling = config.async_scheduling
+        self._launched: tuple[SchedulerOutput, object, float] | None = None
+        self._last_applied = 0.0
+        if config.async_scheduling:
+            logger.info("async scheduling: each step is scheduled while the one before it runs")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admit a validated request (the prompt's block hashes are computed here)."""
@@ -126,9 +132,12 @@ class EngineCore:
             or bool(self.scheduler.finished_req_ids)
             or bool(self._batch_queue)
             or bool(self.scheduler.deferred_outputs)
+            or self._launched is not None
         )
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
         if self.scheduler.pipeline_depth > 1:
             return self._step_with_batch_queue()
         sched = self.scheduler.schedule()
@@ -165,7 +174,51 @@ class EngineCore:
         self.rates.record(sched, scheduler.requests, time.perf_counter() - t0)
         return scheduler.update_from_output(sched, runner_out)
 
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step n+1, then apply step n while the device runs n+1.
+
+        The host's own work for a step (scheduling, input preparation, applying outputs) otherwise leaves
+        the device idle: at 256 running requests on an H100 about 1.1 of a 3.1 ms decode step. Step n+1 is
+        scheduled before step n's tokens are on the host: a request decoding in step n is scheduled for
+        the token n samples, which the worker feeds from the device (``ModelRunner.launch``), unless its
+        next step needs that token on the host (``Scheduler._can_run_ahead``). A request that step n
+        finishes may still be in step n+1: that token is dropped (its KV went to the request's freed
+        blocks in stream order, before any later step could reuse them).
+        """
+        scheduler = self.scheduler
+        sched = scheduler.schedule()
+        launched = None
+        if not (sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids):
+            launched = (sched, self.executor.launch_model(sched), time.perf_counter())
+        outputs = self._apply_launched()
+        if launched is not None:
+            self._launched = launched
+            scheduler.mark_in_flight(sched)
+        elif not outputs:
+            outputs = scheduler.take_deferred_outputs()
+        return outputs
+
+    def _apply_launched(self) -> list[EngineCoreOutput]:
+        """Wait for the launched step (if any) and apply its output."""
+        if self._launched is None:
+            return []
+        sched, launched, t0 = self._launched
+        self._launched = None
+        scheduler = self.scheduler
+        try:
+            runner_out = self.executor.finish_model(launched)
+        finally:
+            scheduler.in_flight.clear()
+            scheduler.sampling_in_flight.clear()
+        # Steps overlap: a step's time is from its launch or the last step's end, whichever is later.
+        now = time.perf_counter()
+        self.rates.record(sched, scheduler.requests, now - max(t0, self._last_applied))
+        self._last_applied = now
+        return scheduler.update_from_output(sched, runner_out)
+
     def reset_prefix_cache(self) -> bool:
+        if self._launched is not None:  # its blocks are still being written: apply it first
+            self.scheduler.deferred_outputs.extend(self._apply_launched())
         return self.scheduler.kv.reset_prefix_cache()
 
     # ---- sleep / wake ---------------------------------------------------------------------------
@@ -181,16 +234,18 @@ class EngineCore:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_level:
             return []
+        applied = self._apply_launched()  # async scheduling: the step in flight, before aborting
         aborted = self.scheduler.finish_requests(
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
         )
         self.step()  # tell the workers to drop the aborted requests' state
+        self._apply_launched()
         if not self.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still held after aborting every request")
         self.executor.sleep(level)
         self.sleep_level = level
         self._asleep_parts = {"weights", "kv_cache"}
-        return [
+        return applied + [
             EngineCoreOutput(
                 request_id=r.request_id, new_token_ids=[], finish_reason="abort",
                 num_cached_tokens=max(r.num_cached_tokens, 0),

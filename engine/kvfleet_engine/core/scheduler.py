@@ -116,6 +116,11 @@ class Scheduler:
         # so that `depth` steps can be in the pipeline at once. Depth 1: step by step (no effect).
         self.in_flight: set[str] = set()
         self.pipeline_depth = 1
+        # Async scheduling (one step in flight, ``EngineCore``): a decoding request in the step in flight is
+        # scheduled again for the token that step is sampling (``sampling_in_flight``), unless its next step
+        # needs that token on the host first (``_can_run_ahead``).
+        self.async_scheduling = False
+        self.sampling_in_flight: set[str] = set()
         self.structured_outputs = structured_outputs
         self.waiting_for_grammar: list[Request] = []
         self.num_constrained = 0  # unfinished requests with a grammar (0: skip every bitmask step)
@@ -203,11 +208,14 @@ class Scheduler:
             share = -(-len(running) // self.pipeline_depth)
         while i < len(running) and budget > 0 and len(num_scheduled) < share:
             req = running[i]
+            ahead = 0  # the token the step in flight samples for req, not on the host yet
             if in_flight and req.request_id in in_flight:
-                i += 1
-                continue
+                if not self.async_scheduling or not self._can_run_ahead(req):
+                    i += 1
+                    continue
+                ahead = 1 if req.request_id in self.sampling_in_flight else 0
             computed = req.num_computed_tokens
-            n = len(req.all_token_ids) - computed
+            n = len(req.all_token_ids) + ahead - computed
             if n > budget:
                 n = budget
             if computed + n > max_model_len:  # never feed a position at or past max_model_len
@@ -217,6 +225,8 @@ class Scheduler:
                 continue
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim_index = self._pick_victim_index()
+                if victim_index is None:  # every other candidate is in flight: wait for its step
+                    break
                 victim = running.pop(victim_index)
                 # Priority policy may pick one already scheduled this step: undo its schedule (its
                 # blocks past the tokens computed before this step must be freed as never written).
@@ -231,7 +241,7 @@ class Scheduler:
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
             if new_blocks is None:
-                break  # req itself was preempted: nothing after it can fit either
+                break  # req itself was preempted (or must wait): nothing after it can fit either
             cached_reqs.append(
                 CachedRequestData(
                     req.request_id,
@@ -342,9 +352,42 @@ class Scheduler:
         outputs, self.deferred_outputs = self.deferred_outputs, []
         return outputs
 
-    def _pick_victim_index(self) -> int:
-        """FCFS: the last admitted. Priority: the lowest priority, latest arrival. Never one in flight."""
+    def _can_run_ahead(self, req: Request) -> bool:
+        """Whether req may be scheduled again before the step in flight for it is back.
+
+        Its next step must not depend on the host seeing the pending token: no grammar (the mask follows
+        the token), no penalties and no unmet min_tokens (the sampler reads the host's output lists), and
+        the pending token must not be its last (max_tokens, max_model_len), or the step would be wasted.
+        """
+        if req.request_id not in self.sampling_in_flight:
+            return req.grammar is None  # a prefill chunk in flight: the next chunk's tokens are known
+        sp = req.sampling_params
+        num_output = len(req.output_token_ids)
+        return (
+            req.grammar is None
+            and not sp.has_penalties
+            and num_output >= sp.min_tokens
+            and num_output + 1 < req.max_tokens
+            and len(req.all_token_ids) + 1 < self.max_model_len
+        )
+
+    def mark_in_flight(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: ``sched`` was launched; its requests are in flight until its output is applied."""
+        requests = self.requests
+        self.in_flight = set(sched.num_scheduled_tokens)
+        # (A request the previous step finished may still be in this one: it is gone from ``requests``.)
+        self.sampling_in_flight = {
+            rid
+            for rid in self.in_flight
+            if (req := requests.get(rid)) is not None and req.num_computed_tokens >= len(req.all_token_ids)
+        }
+
+    def _pick_victim_index(self) -> int | None:
+        """FCFS: the last admitted. Priority: the lowest priority, latest arrival. Never one in flight
+        (None when every running request is)."""
         candidates = [j for j in range(len(self.running)) if self.running[j].request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.policy == "priority":
             return max(candidates, key=lambda j: (self.running[j].priority, self.running[j].arrival_time))
         return candidates[-1]

@@ -31,6 +31,13 @@ class UniProcExecutor(Executor):
         fut.set_result(out)
         return fut
 
+    def launch_model(self, sched: SchedulerOutput):
+        """Async scheduling: queue the step, collect it later with ``finish_model``."""
+        return self.worker.launch_model(sched)
+
+    def finish_model(self, launched) -> ModelRunnerOutput:
+        return self.worker.finish_model(launched)
+
     def sleep(self, level: int = 1) -> None:
         self.worker.sleep(level)
 

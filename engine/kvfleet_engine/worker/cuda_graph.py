@@ -212,8 +212,12 @@ class DecodeGraphs:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of one decode step of ``n = len(token_ids)`` rows.
+
+        ``feed`` (rows, token ids on the device) overrides those rows' input ids after the host copy: the
+        tokens the previous step is still sampling (async scheduling).
 
         ``block_tables`` is ``[n, w]``: the columns the step's longest context needs. Columns past a
         row's context are never read, so stale ones from earlier steps may stay; a padding row reads
@@ -233,4 +237,6 @@ class DecodeGraphs:
             self._reset_static_rows(n, self._live_rows)
         self._live_rows = n
         self._copy_to_device(size, w)
+        if feed is not None:
+            self.input_ids[feed[0]] = feed[1]
         return self._replays[size]()[:n]

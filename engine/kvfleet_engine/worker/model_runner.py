@@ -45,6 +45,20 @@ class StepArrays:
     max_query_len: int
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step (``ModelRunner.launch``) whose sampled tokens ``finish`` has not read yet."""
+
+    req_ids: list[str]  # the batch's rows at launch
+    rows: np.ndarray  # the rows that sample (the others ran a partial prefill chunk)
+    host: torch.Tensor  # [B] sampled ids: a pinned copy on CUDA (valid once ``copied`` is done)
+    copied: torch.cuda.Event | None
+    logprobs: object  # the sampler's LogprobsTensors, or None
+    launch: int  # the runner's launch count when it was launched
+    prompt_logprobs: dict | None = None
+    started: float = 0.0
+
+
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. On CPU it comes from ``calloc`` (through numpy), which hands large
     allocations over as fresh zero pages without writing them: gigabytes of KV cache are ready at
@@ -98,6 +112,12 @@ class ModelRunner:
         # stage transfers has not been verified on a multi-GPU machine yet.
         self.graphs: DecodeGraphs | None = None
         self.graph_steps = 0  # decode steps that replayed a graph (tests and benchmarks read it)
+        # Async scheduling: the last launched step's sampled ids on the device and each request's row in
+        # them (the next launch may decode them before the host has them); pinned host buffers for the
+        # sampled ids of the two steps that can be in flight at once.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._launches = 0
+        self._pinned: list[torch.Tensor] = []
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -291,26 +311,41 @@ class ModelRunner:
         self, sched: SchedulerOutput, new_token_ids: dict[str, list[int]] | None = None
     ) -> ModelRunnerOutput | None:
         """One step; returns None on a pipeline stage that is not the last (it sends, not samples)."""
+        launched = self.launch(sched, new_token_ids)
+        return self.finish(launched) if isinstance(launched, PendingStep) else launched
+
+    @torch.inference_mode()
+    def launch(
+        self, sched: SchedulerOutput, new_token_ids: dict[str, list[int]] | None = None
+    ) -> PendingStep | ModelRunnerOutput | None:
+        """Queue one step's forward pass and sampling on the device; ``finish`` waits for its tokens.
+
+        Under async scheduling the step may run decode rows whose input token is the one the previous
+        launched step samples (the scheduler ran ahead of it): that token is not on the host yet, so the
+        row's input id is taken on the device from the previous step's sampled ids. The host learns it in
+        ``finish`` of that step, which comes after this launch."""
         if new_token_ids:
             self._append_new_tokens(new_token_ids)
         self._update_states(sched)
-        n = self.batch.num_reqs
+        self._launches += 1
+        batch, n = self.batch, self.batch.num_reqs
         if n == 0:
             return ModelRunnerOutput([], [])
-        q_lens = np.array(
-            [sched.num_scheduled_tokens[self.batch.req_ids[i]] for i in range(n)], dtype=np.int32
-        )
+        q_lens = np.array([sched.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)], dtype=np.int32)
         step = self._step_arrays(q_lens)
+        feed = self._feed_pending_tokens(step)
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(n, len(step.token_ids)):
             # Pure decode: rows are in batch order, so the hidden states are the logits' rows as-is.
             hidden = self.graphs.run(
-                step.token_ids, step.positions, step.slots, step.seq_lens, step.block_tables
+                step.token_ids, step.positions, step.slots, step.seq_lens, step.block_tables, feed
             )
             self.graph_steps += 1
             logits = self.model.compute_logits(hidden)
         else:
             input_ids, positions, meta, logits_idx = self._device_inputs(step)
+            if feed is not None:
+                input_ids[feed[0]] = feed[1]
             intermediate = None
             if not self.parallel.is_first_stage:
                 shape = (2, int(input_ids.shape[0]), self.config.model.hidden_size)
@@ -329,10 +364,64 @@ class ModelRunner:
         prompt_logprobs = None
         if plan is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model, hidden, plan, self.config.model.vocab_size)
-        out = self._sample(logits, q_lens, sched)
-        out.prompt_logprobs = prompt_logprobs
-        self.busy_intervals.append((t0, time.perf_counter()))
-        return out
+        pending = self._sample(logits, q_lens, sched)
+        pending.prompt_logprobs = prompt_logprobs
+        pending.started = t0
+        return pending
+
+    def _feed_pending_tokens(self, step: StepArrays) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, their ids on the device) for rows whose input token is still being sampled.
+
+        Such a row has computed every token the host knows (``num_computed == num_tokens``): it decodes
+        the token the previous launch samples. Its index in the step is its logits row (one token)."""
+        batch, n = self.batch, self.batch.num_reqs
+        rows = np.flatnonzero(batch.num_computed_tokens[:n] >= batch.num_tokens[:n])
+        if not len(rows):
+            return None
+        last = self._last_sampled
+        if last is None:
+            raise RuntimeError("a step decodes a token no earlier step sampled")
+        sampled, row_of = last
+        src = torch.tensor([row_of[batch.req_ids[i]] for i in rows.tolist()], device=self.device)
+        dst = torch.from_numpy(step.logits_idx[rows]).to(self.device)
+        return dst, sampled.index_select(0, src)
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens, append them to their requests, build its output.
+
+        Rows may have moved since the launch (a later launch rearranged the batch): then each token goes
+        to its request by id, to its state if it left the batch, or nowhere if it finished meanwhile."""
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        sampled = pending.host.numpy()
+        rows = pending.rows
+        if self.append_sampled:
+            batch = self.batch
+            if pending.launch == self._launches:  # no launch since: rows are where they were
+                batch.append_tokens(rows, sampled[rows])
+            else:
+                for i in rows.tolist():
+                    rid = pending.req_ids[i]
+                    j = batch.req_id_to_index.get(rid)
+                    if j is not None:
+                        batch.append_token(j, int(sampled[i]))
+                    elif (state := self.requests.get(rid)) is not None:
+                        state.output_token_ids.append(int(sampled[i]))
+        if len(rows) == len(pending.req_ids):
+            sampled_lists = [[t] for t in sampled.tolist()]
+        else:
+            sampled_lists = [[] for _ in pending.req_ids]
+            for i, t in zip(rows.tolist(), sampled[rows].tolist()):
+                sampled_lists[i] = [t]
+        result = ModelRunnerOutput(pending.req_ids, sampled_lists)
+        logprobs = pending.logprobs
+        if logprobs is not None:
+            result.logprob_token_ids = logprobs.token_ids.tolist()
+            result.logprobs = logprobs.logprobs.tolist()
+            result.sampled_ranks = logprobs.ranks.tolist()
+        result.prompt_logprobs = pending.prompt_logprobs
+        self.busy_intervals.append((pending.started, time.perf_counter()))
+        return result
 
     def _step_arrays(self, q_lens: np.ndarray) -> StepArrays:
         """This step's inputs as host arrays, rows ordered decodes first (the attention backends batch
@@ -393,7 +482,7 @@ class ModelRunner:
             torch.from_numpy(step.logits_idx).to(dev),
         )
 
-    def _sample(self, logits: torch.Tensor, q_lens: np.ndarray, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, q_lens: np.ndarray, sched: SchedulerOutput) -> PendingStep:
         batch, n = self.batch, len(q_lens)
         if sched.grammar_bitmask is not None:
             rows = [batch.req_id_to_index[rid] for rid in sched.structured_req_ids]
@@ -407,18 +496,20 @@ class ModelRunner:
         for i, state in saved.items():
             batch.states[i].generator.set_state(state)
 
-        sampled = out.sampled_token_ids.cpu().numpy()  # the step's one device -> host sync
-        if completes.all():
-            rows = np.arange(n)
-            sampled_lists = [[t] for t in sampled.tolist()]
+        req_ids = batch.req_ids[:n]
+        rows = np.arange(n) if completes.all() else np.flatnonzero(completes)
+        sampled = out.sampled_token_ids
+        self._last_sampled = (sampled, {req_ids[i]: i for i in rows.tolist()})
+        copied = None
+        if sampled.device.type == "cuda":
+            # The step's one device -> host copy, waited for in ``finish``, not here.
+            if not self._pinned:
+                size = self.config.max_num_seqs
+                self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            host = self._pinned[self._launches % 2][: sampled.shape[0]]
+            host.copy_(sampled, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         else:
-            rows = np.flatnonzero(completes)
-            sampled_lists = [[t] if c else [] for t, c in zip(sampled.tolist(), completes.tolist())]
-        if self.append_sampled:
-            batch.append_tokens(rows, sampled[rows])
-        result = ModelRunnerOutput(batch.req_ids[:n], sampled_lists)
-        if out.logprobs is not None:
-            result.logprob_token_ids = out.logprobs.token_ids.tolist()
-            result.logprobs = out.logprobs.logprobs.tolist()
-            result.sampled_ranks = out.logprobs.ranks.tolist()
-        return result
+            host = sampled
+        return PendingStep(list(req_ids), rows, host, copied, out.logprobs, self._launches)

@@ -13,7 +13,7 @@ from kvfleet_engine.layers import prepack
 from kvfleet_engine.layers.rotary import RotaryEmbedding
 from kvfleet_engine.models.loader import load_weights
 from kvfleet_engine.worker.host_allocator import tune_host_allocator
-from kvfleet_engine.worker.model_runner import ModelRunner
+from kvfleet_engine.worker.model_runner import ModelRunner, PendingStep
 
 # Default KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 _CPU_DEFAULT_KV_BYTES = 4 << 30
@@ -81,6 +81,15 @@ class Worker:
         if self.asleep:
             raise RuntimeError(f"worker is asleep ({', '.join(sorted(self.asleep))} released): wake it first")
         return self.runner.execute_model(sched, new_token_ids)
+
+    def launch_model(self, sched: SchedulerOutput):
+        """Queue a step on the device (``ModelRunner.launch``); ``finish_model`` collects it."""
+        if self.asleep:
+            raise RuntimeError(f"worker is asleep ({', '.join(sorted(self.asleep))} released): wake it first")
+        return self.runner.launch(sched)
+
+    def finish_model(self, launched) -> ModelRunnerOutput:
+        return self.runner.finish(launched) if isinstance(launched, PendingStep) else launched
 
     # ---- sleep / wake ---------------------------------------------------------------------------
 
