@@ -218,3 +218,53 @@ def test_the_server_runs_ahead_too(demo_model, test_device, tmp_path):
         got = [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
         assert "async scheduling: each step is scheduled while the one before it runs" in server.log()
     assert got == want and all(got)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_requests_arriving_and_aborted_while_steps_are_in_flight(demo_model, test_device, seed):
+    """Requests join and are aborted between steps, so some aborts hit a request whose next step is already
+    launched. Nothing leaks, and every request that was not aborted gets its step-by-step tokens."""
+    path = demo_model(arch="qwen2")
+    rng = random.Random(seed)
+    prompts = _prompts(24, seed=10 + seed)
+    lengths = [rng.randrange(1, 30) for _ in prompts]
+    kw = dict(use_tqdm=False, device=test_device, dtype="float32", max_model_len=128, max_num_seqs=8)
+    ref = LLM(path, **kw)
+    want = [
+        o.outputs[0].token_ids
+        for o in ref.generate(
+            prompts, [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lengths]
+        )
+    ]
+    ref.shutdown()
+
+    llm = LLM(path, async_scheduling=True, num_kv_blocks=20, block_size=8, **kw)  # room for ~2 requests
+    engine = llm.engine
+    waiting = list(range(len(prompts)))
+    ids: dict[str, int] = {}
+    aborted: set[str] = set()
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while waiting or engine.has_pending_work():
+        for _ in range(rng.choice([0, 0, 1, 3])):  # arrivals
+            if waiting:
+                i = waiting.pop(0)
+                sp = SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+                ids[llm._add_request(prompts[i], sp, 0)] = i
+        live = [r for r in ids if r not in got and r not in aborted]
+        if live and rng.random() < 0.15:
+            victim = rng.choice(live)
+            aborted.add(victim)
+            llm._abort([victim])
+        finished, to_stop = llm.output_processor.process_outputs(engine.step())
+        assert not to_stop
+        steps += 1
+        for out in finished:
+            got[out.request_id] = out.outputs[0].token_ids
+        assert steps < 2000
+    assert aborted and len(got) + len(aborted) == len(prompts)
+    for rid, tokens in got.items():
+        assert tokens == want[ids[rid]], rid
+    assert llm.num_free_kv_blocks == engine.num_kv_blocks - 1
+    assert engine.scheduler.num_preemptions > 0
+    llm.shutdown()
