@@ -285,10 +285,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
         distributed_executor_backend = _check_parallel(mc, device, tp, pp, args.distributed_executor_backend)
-        if args.async_scheduling and (distributed_executor_backend != "uni" or simulation is not None):
+        if args.async_scheduling and distributed_executor_backend != "uni":
             raise ValueError(
                 "async_scheduling needs one rank with the worker in the engine's process "
-                "(no tensor/pipeline parallelism, no 'mp' executor, no simulation)"
+                "(no tensor/pipeline parallelism, no 'mp' executor)"
             )
         return cls(
             model=mc,

@@ -108,6 +108,7 @@ class EngineCore:
         self.scheduler.async_scheduling = config.async_scheduling
         self._launched: tuple[SchedulerOutput, object, float] | None = None
         self._last_applied = 0.0
+        self.overlapped_steps = 0  # steps launched while the one before was still in flight
         if config.async_scheduling:
             logger.info("async scheduling: each step is scheduled while the one before it runs")
 
@@ -190,6 +191,7 @@ class EngineCore:
         launched = None
         if not (sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids):
             launched = (sched, self.executor.launch_model(sched), time.perf_counter())
+            self.overlapped_steps += self._launched is not None
         outputs = self._apply_launched()
         if launched is not None:
             self._launched = launched

@@ -163,6 +163,7 @@ class SimulatedExecutor(Executor):
         self.requests: dict[str, _SimRequest] = {}
         self.num_blocks = 0
         self.asleep: set[str] = set()
+        self._device_free_at = 0.0  # perf_counter time the modelled device finishes its last step
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         logger.info(
             "simulated replica: %s (no weights loaded), %d ordinary tokens to emit",
@@ -204,7 +205,24 @@ class SimulatedExecutor(Executor):
 
     def run_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step: the same output the model runner would produce (without logits), and its cost."""
-        t0 = time.perf_counter()
+        return self.finish_model(self.launch_model(sched))
+
+    def launch_model(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+        """The step's output, and when the modelled device is done with it: it starts once the step
+        before it is done (async scheduling launches a step while the previous one still runs)."""
+        t0 = time.perf_counter()  # the executor's own bookkeeping runs while the modelled device works
+        out, seconds = self._compute(sched)
+        self._device_free_at = max(t0, self._device_free_at) + seconds
+        return out, self._device_free_at
+
+    def finish_model(self, launched: tuple[ModelRunnerOutput, float]) -> ModelRunnerOutput:
+        out, done_at = launched
+        remaining = done_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)  # blocks: an idle simulated device costs no CPU
+        return out
+
+    def _compute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
         if self.asleep:
             raise RuntimeError(
                 f"executor is asleep ({', '.join(sorted(self.asleep))} released): wake it first"
@@ -236,10 +254,7 @@ class SimulatedExecutor(Executor):
         self._add_logprobs(out, pool_index)
         seconds = step_seconds(self.cost, prefill_tokens, num_decodes)
         self.step_log.append(StepRecord(prefill_tokens, num_decodes, seconds))
-        remaining = t0 + seconds - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)  # blocks: an idle simulated device costs no CPU
-        return out
+        return out, seconds
 
     def _add_logprobs(self, out: ModelRunnerOutput, pool_index: list[int | None]) -> None:
         """Synthetic logprobs (see the module docstring), laid out as the sampler's: [rows, 1 + max_n],
