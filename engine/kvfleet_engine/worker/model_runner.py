@@ -51,7 +51,9 @@ class PendingStep:
 
     req_ids: list[str]  # the batch's rows at launch
     rows: np.ndarray  # the rows that sample (the others ran a partial prefill chunk)
-    host: torch.Tensor  # [B] sampled ids: a pinned copy on CUDA (valid once ``copied`` is done)
+    host: (
+        torch.Tensor
+    )  # [B] sampled ids on the host (async on CUDA: a pinned copy, valid once ``copied`` is done)
     copied: torch.cuda.Event | None
     logprobs: object  # the sampler's LogprobsTensors, or None
     launch: int  # the runner's launch count when it was launched
@@ -501,7 +503,7 @@ class ModelRunner:
         sampled = out.sampled_token_ids
         self._last_sampled = (sampled, {req_ids[i]: i for i in rows.tolist()})
         copied = None
-        if sampled.device.type == "cuda":
+        if sampled.device.type == "cuda" and self.config.async_scheduling:
             # The step's one device -> host copy, waited for in ``finish``, not here.
             if not self._pinned:
                 size = self.config.max_num_seqs
@@ -511,5 +513,5 @@ class ModelRunner:
             copied = torch.cuda.Event()
             copied.record()
         else:
-            host = sampled
+            host = sampled.cpu()  # step by step: the step's one device -> host sync, here
         return PendingStep(list(req_ids), rows, host, copied, out.logprobs, self._launches)
