@@ -58,6 +58,8 @@ NOT_IN_CRD = {
     "attention_backend": "auto picks the kernels for the device (extraArgs may override it)",
     "distributed_executor_backend": "no flag: the engine picks uni or mp from TP x PP",
     "simulation": "a simulated replica is for benchmarks and gateway tests, not for serving a model",
+    "async_scheduling": "off until measured on a GPU, and one-rank only: extraArgs ['--async-scheduling'] "
+    "turns it on for a model",
 }
 # Properties of spec.engine that are not engine settings.
 NOT_ENGINE_SETTINGS = {
