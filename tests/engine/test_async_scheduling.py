@@ -180,7 +180,9 @@ def test_sleep_and_reset_with_a_step_in_flight(demo_model, test_device):
     outputs = engine.sleep(1)
     assert {o.request_id for o in outputs if o.finish_reason == "abort"}
     assert engine._launched is None and not engine.has_unfinished_requests()
-    llm.output_processor.__init__(llm.tokenizer)  # forget the aborted requests
+    finished, _ = llm.output_processor.process_outputs(outputs)  # as LLM.sleep's caller would
+    assert {o.request_id for o in finished} == {str(i) for i in range(len(prompts), 2 * len(prompts))}
+    assert all(o.outputs[0].finish_reason == "abort" for o in finished)
     llm.wake_up()
     assert _outputs(llm.generate(prompts, params)) == before
     assert llm.reset_prefix_cache()

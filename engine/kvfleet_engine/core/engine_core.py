@@ -241,7 +241,7 @@ class EngineCore:
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
         )
         self.step()  # tell the workers to drop the aborted requests' state
-        self._apply_launched()
+        applied += self._apply_launched()
         if not self.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still held after aborting every request")
         self.executor.sleep(level)

@@ -296,7 +296,8 @@ class ModelRunner:
         batch.condense()
 
     def _append_new_tokens(self, new_token_ids: dict[str, list[int]]) -> None:
-        """Tokens sampled (by the last pipeline stage) since this worker last heard of the request."""
+        """Tokens sampled since this worker last heard of the request (by the last pipeline stage, or by an
+        earlier step whose rows a later launch has moved), appended wherever the request's state now is."""
         for rid, tokens in new_token_ids.items():
             state = self.requests.get(rid)
             if state is None:
@@ -402,13 +403,7 @@ class ModelRunner:
             if pending.launch == self._launches:  # no launch since: rows are where they were
                 batch.append_tokens(rows, sampled[rows])
             else:
-                for i in rows.tolist():
-                    rid = pending.req_ids[i]
-                    j = batch.req_id_to_index.get(rid)
-                    if j is not None:
-                        batch.append_token(j, int(sampled[i]))
-                    elif (state := self.requests.get(rid)) is not None:
-                        state.output_token_ids.append(int(sampled[i]))
+                self._append_new_tokens({pending.req_ids[i]: [int(sampled[i])] for i in rows.tolist()})
         if len(rows) == len(pending.req_ids):
             sampled_lists = [[t] for t in sampled.tolist()]
         else:
